@@ -1,0 +1,178 @@
+"""Part 2: part 1 plus nn.DataParallel: one process drives every visible GPU.
+
+DataParallel splits each batch over the GPUs, copies the model to each of them on every
+step, and gathers the outputs on GPU 0. The README explains why DDP replaces it.
+On the CPU or a single GPU it runs unchanged (and says so).
+
+    diff -u part1_single/train.py part2_dp/train.py
+    python part2_dp/train.py --dataset fake --epochs 1 --max-steps 20
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torch.utils.data import DataLoader, Dataset
+from torchvision import transforms
+from tqdm import tqdm
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+NUM_CLASSES = 10
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128, help="per process")
+    parser.add_argument("--lr", type=float, default=None, help="default: 0.1 (sgd), 1e-3 (adamw)")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--model", default="resnet18", help="any timm model name")
+    parser.add_argument("--pretrained", action="store_true", help="ImageNet weights (needs network)")
+    parser.add_argument("--dataset", choices=["cifar10", "fake"], default="cifar10")
+    parser.add_argument("--fake-size", type=int, default=50_000, help="train images with --dataset fake")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--image-size", type=int, default=32, help="resize inputs, e.g. 224 for pretrained")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=0, help="cap batches per epoch (0: no cap)")
+    parser.add_argument("--checkpoint", default="checkpoint.pt", help="where to save the weights ('' to skip)")
+    return parser.parse_args()
+
+
+def log(message: str) -> None:
+    # One write per line: lines from several processes sharing a terminal never interleave.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def build_transforms(image_size: int, train: bool) -> transforms.Compose:
+    steps = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if train else []
+    if image_size != 32:
+        steps.append(transforms.Resize(image_size, antialias=True))
+    steps += [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    return transforms.Compose(steps)
+
+
+def build_datasets(args: argparse.Namespace, download: bool) -> tuple[Dataset, Dataset]:
+    train_tf, test_tf = build_transforms(args.image_size, True), build_transforms(args.image_size, False)
+    if args.dataset == "fake":  # random images with CIFAR-10's shape: runs offline
+        shape = (3, 32, 32)
+        train = torchvision.datasets.FakeData(args.fake_size, shape, NUM_CLASSES, train_tf, random_offset=0)
+        test = torchvision.datasets.FakeData(args.fake_size // 5, shape, NUM_CLASSES, test_tf, random_offset=1)
+        return train, test
+    train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf, download=download)
+    test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf, download=download)
+    return train, test
+
+
+def build_model(name: str, pretrained: bool, image_size: int) -> nn.Module:
+    model = timm.create_model(name, pretrained=pretrained, num_classes=NUM_CLASSES)
+    stem = getattr(model, "conv1", None)
+    if image_size <= 64 and isinstance(stem, nn.Conv2d) and hasattr(model, "maxpool"):
+        # ImageNet ResNets shrink the input 4x before the first block; on 32x32 images that
+        # leaves 1x1 feature maps. A 3x3 stride-1 stem and no max-pool is the CIFAR variant.
+        model.conv1 = nn.Conv2d(3, stem.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        lr = args.lr or 0.1
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr or 1e-3, weight_decay=0.05)
+
+
+def steps_in(loader: DataLoader, max_steps: int) -> int:
+    return min(len(loader), max_steps) if max_steps else len(loader)
+
+
+def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_progress: bool) -> torch.Tensor:
+    """Returns (summed loss, correct predictions, samples seen) as one tensor."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    progress = tqdm(loader, total=steps_in(loader, max_steps), disable=not show_progress, leave=False)
+    for step, (images, labels) in enumerate(progress):
+        if max_steps and step >= max_steps:
+            break
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        totals[0] += loss.detach() * len(labels)  # tensors, not .item(): no GPU sync per step
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_steps: int) -> torch.Tensor:
+    """Returns (correct predictions, samples seen) as one tensor."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for step, (images, labels) in enumerate(loader):
+        if max_steps and step >= max_steps:
+            break
+        images, labels = images.to(device), labels.to(device)
+        totals[0] += (model(images).argmax(1) == labels).sum()
+        totals[1] += len(labels)
+    return totals
+
+
+def epoch_line(epoch: int, epochs: int, train: torch.Tensor, test: torch.Tensor, seconds: float) -> str:
+    loss_sum, correct, seen = train.tolist()
+    test_correct, test_seen = test.tolist()
+    return (
+        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f} train_acc={100 * correct / seen:.2f}%"
+        f" train_samples={int(seen)} test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
+        f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
+    )
+
+
+def save_checkpoint(model: nn.Module, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(model.state_dict(), path)
+    log(f"saved checkpoint {path}")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)  # same seed, same initial weights and data order
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    log(f"device={device} batch_size={args.batch_size}")
+
+    train_set, test_set = build_datasets(args, download=True)
+    pin = device.type == "cuda"  # page-locked host memory makes copies to the GPU faster
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, num_workers=args.workers, pin_memory=pin)
+    test_loader = DataLoader(test_set, args.batch_size, num_workers=args.workers, pin_memory=pin)
+
+    model = build_model(args.model, args.pretrained, args.image_size).to(device)
+    model = nn.DataParallel(model)  # DP: replicate on every GPU each step, split each batch
+    log(f"DataParallel over {torch.cuda.device_count()} GPU(s); 0 or 1 GPU: it just calls the model")  # DP
+    optimizer = build_optimizer(args, model)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        train_totals = train_one_epoch(model, train_loader, optimizer, device, args.max_steps, show_progress=True)
+        seconds = time.perf_counter() - start
+        test_totals = evaluate(model, test_loader, device, args.max_steps)
+        scheduler.step()
+        log(epoch_line(epoch, args.epochs, train_totals, test_totals, seconds))
+
+    if args.checkpoint:
+        save_checkpoint(model.module, args.checkpoint)  # DP: unwrap, or keys start with 'module.'
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Part 4, step 6: launching. One script for torchrun, srun and plain python.
+
+A launcher starts the processes and tells each one who it is through environment
+variables; the script only reads them. torchrun sets RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; srun sets SLURM_PROCID, SLURM_LOCALID and
+SLURM_NTASKS; plain python sets nothing and gets a world of one process.
+
+    diff -u part3_ddp/step5_checkpoint.py part4_torchrun/train.py
+    torchrun --standalone --nproc_per_node=2 part4_torchrun/train.py --dataset fake --epochs 1 --max-steps 20
+    srun --ntasks=2 python part4_torchrun/train.py --dataset fake --epochs 1 --max-steps 20
+    python part4_torchrun/train.py --dataset fake --epochs 1 --max-steps 20
+"""
+
+import argparse
+import os
+import socket  # step 1: find a free port for the processes to meet on
+import subprocess  # step 6: ask Slurm for the job's first node
+import sys
+import time
+
+import timm
+import torch
+import torch.distributed as dist  # step 1
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torch.nn.parallel import DistributedDataParallel as DDP  # step 2
+from torch.utils.data import DataLoader, Dataset, Subset  # step 3: Subset
+from torch.utils.data.distributed import DistributedSampler  # step 3
+from torchvision import transforms
+from tqdm import tqdm
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+NUM_CLASSES = 10
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128, help="per process")
+    parser.add_argument("--lr", type=float, default=None, help="default: 0.1 (sgd), 1e-3 (adamw)")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--model", default="resnet18", help="any timm model name")
+    parser.add_argument("--pretrained", action="store_true", help="ImageNet weights (needs network)")
+    parser.add_argument("--dataset", choices=["cifar10", "fake"], default="cifar10")
+    parser.add_argument("--fake-size", type=int, default=50_000, help="train images with --dataset fake")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--image-size", type=int, default=32, help="resize inputs, e.g. 224 for pretrained")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=0, help="cap batches per epoch (0: no cap)")
+    parser.add_argument("--checkpoint", default="checkpoint.pt", help="where to save the weights ('' to skip)")
+    return parser.parse_args()
+
+
+def log(message: str) -> None:
+    # One write per line: lines from several processes sharing a terminal never interleave.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def find_free_port() -> int:  # step 1: the OS picks a port nobody uses (no clash with a stale run)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_launcher_env() -> tuple[int, int, int, int]:  # step 6: rank, local rank, world size, local world size
+    env = os.environ
+    if "RANK" in env:  # torchrun; also inside srun, where torchrun's variables must win
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    if "SLURM_PROCID" in env:  # srun: one task per process
+        nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True, text=True)
+        env.setdefault("MASTER_ADDR", nodes.stdout.split()[0])  # rank 0 runs on the job's first node
+        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # same on all nodes, differs per job
+        world_size = int(env["SLURM_NTASKS"])
+        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), world_size, int(env.get("SLURM_NTASKS_PER_NODE", world_size))
+    env.setdefault("MASTER_ADDR", "127.0.0.1")  # plain python: a world of one process
+    env.setdefault("MASTER_PORT", str(find_free_port()))
+    return 0, 0, 1, 1
+
+
+def cpu_threads_per_process(local_world_size: int) -> int:  # step 1: processes on one machine share its cores
+    if "OMP_NUM_THREADS" in os.environ:  # an explicit choice (yours, or torchrun's) wins
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local_world_size)
+
+
+def setup_process_group(rank: int, world_size: int, local_rank: int, local_world_size: int, device: torch.device) -> None:  # step 1
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)  # before init_process_group: else ranks can pile onto GPU 0
+    else:
+        torch.set_num_threads(cpu_threads_per_process(local_world_size))  # else N ranks oversubscribe the CPU
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL for NVIDIA GPUs, gloo for CPUs
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)  # MASTER_ADDR/PORT
+
+
+def build_transforms(image_size: int, train: bool) -> transforms.Compose:
+    steps = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if train else []
+    if image_size != 32:
+        steps.append(transforms.Resize(image_size, antialias=True))
+    steps += [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    return transforms.Compose(steps)
+
+
+def build_datasets(args: argparse.Namespace, download: bool) -> tuple[Dataset, Dataset]:
+    train_tf, test_tf = build_transforms(args.image_size, True), build_transforms(args.image_size, False)
+    if args.dataset == "fake":  # random images with CIFAR-10's shape: runs offline
+        shape = (3, 32, 32)
+        train = torchvision.datasets.FakeData(args.fake_size, shape, NUM_CLASSES, train_tf, random_offset=0)
+        test = torchvision.datasets.FakeData(args.fake_size // 5, shape, NUM_CLASSES, test_tf, random_offset=1)
+        return train, test
+    train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf, download=download)
+    test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf, download=download)
+    return train, test
+
+
+def build_model(name: str, pretrained: bool, image_size: int) -> nn.Module:
+    model = timm.create_model(name, pretrained=pretrained, num_classes=NUM_CLASSES)
+    stem = getattr(model, "conv1", None)
+    if image_size <= 64 and isinstance(stem, nn.Conv2d) and hasattr(model, "maxpool"):
+        # ImageNet ResNets shrink the input 4x before the first block; on 32x32 images that
+        # leaves 1x1 feature maps. A 3x3 stride-1 stem and no max-pool is the CIFAR variant.
+        model.conv1 = nn.Conv2d(3, stem.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        lr = args.lr or 0.1
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr or 1e-3, weight_decay=0.05)
+
+
+def steps_in(loader: DataLoader, max_steps: int) -> int:
+    return min(len(loader), max_steps) if max_steps else len(loader)
+
+
+def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_progress: bool) -> torch.Tensor:
+    """Returns (summed loss, correct predictions, samples seen) as one tensor."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    progress = tqdm(loader, total=steps_in(loader, max_steps), disable=not show_progress, leave=False)
+    for step, (images, labels) in enumerate(progress):
+        if max_steps and step >= max_steps:
+            break
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # step 4
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        totals[0] += loss.detach() * len(labels)  # tensors, not .item(): no GPU sync per step
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_steps: int) -> torch.Tensor:
+    """Returns (correct predictions, samples seen) as one tensor."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for step, (images, labels) in enumerate(loader):
+        if max_steps and step >= max_steps:
+            break
+        images, labels = images.to(device), labels.to(device)
+        totals[0] += (model(images).argmax(1) == labels).sum()
+        totals[1] += len(labels)
+    return totals
+
+
+def epoch_line(epoch: int, epochs: int, train: torch.Tensor, test: torch.Tensor, seconds: float) -> str:
+    loss_sum, correct, seen = train.tolist()
+    test_correct, test_seen = test.tolist()
+    return (
+        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f} train_acc={100 * correct / seen:.2f}%"
+        f" train_samples={int(seen)} test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
+        f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
+    )
+
+
+def save_checkpoint(model: nn.Module, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(model.state_dict(), path)
+    log(f"saved checkpoint {path}")
+
+
+def load_into_bare_model(args: argparse.Namespace, path: str) -> nn.Module:  # step 5: usable without DDP
+    model = build_model(args.model, pretrained=False, image_size=args.image_size)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))  # strict: all keys must match
+    return model
+
+
+def main() -> None:  # step 6: the launcher starts this script once per process
+    args = parse_args()  # step 6
+    rank, local_rank, world_size, local_world_size = read_launcher_env()  # step 6
+    torch.manual_seed(args.seed)  # same seed, same initial weights and data order
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # step 4: my GPU, by name
+    setup_process_group(rank, world_size, local_rank, local_world_size, device)  # step 1
+    log(f"rank {rank}/{world_size} local_rank={local_rank} device={device} threads={torch.get_num_threads()}")  # step 1
+    if rank == 0:  # step 1: per process vs global batch
+        log(f"batch_size={args.batch_size} per process, global batch={args.batch_size * world_size}")
+
+    if rank == 0:  # step 1: one process downloads; the others wait at the barrier, then read the files
+        build_datasets(args, download=True)
+    dist.barrier()  # step 1
+    train_set, test_set = build_datasets(args, download=False)  # step 1
+    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)  # step 3
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))  # step 3: every world_size-th image, no padding
+    pin = device.type == "cuda"  # page-locked host memory makes copies to the GPU faster
+    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, num_workers=args.workers, pin_memory=pin)  # step 3
+    test_loader = DataLoader(test_set, args.batch_size, num_workers=args.workers, pin_memory=pin)
+
+    model = build_model(args.model, args.pretrained, args.image_size).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # step 2: all-reduce grads
+    optimizer = build_optimizer(args, model)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # step 3: else every epoch repeats epoch 0's order
+        start = time.perf_counter()
+        train_totals = train_one_epoch(model, train_loader, optimizer, device, args.max_steps, show_progress=rank == 0)  # step 1
+        dist.all_reduce(train_totals)  # step 3: sum over ranks (and wait for the slowest before reading the clock)
+        seconds = time.perf_counter() - start
+        test_totals = evaluate(model.module, test_loader, device, args.max_steps)  # step 2: bare module, no collectives
+        dist.all_reduce(test_totals)  # step 3: every rank scored a different shard
+        scheduler.step()
+        if rank == 0:  # step 1: one line per epoch, not one per rank
+            log(epoch_line(epoch, args.epochs, train_totals, test_totals, seconds))
+
+    if args.checkpoint:  # step 5: save once, wait, then every rank can read it
+        if rank == 0:  # step 5: one writer (as in step 1)
+            save_checkpoint(model.module, args.checkpoint)  # step 5: unwrap: keys without "module."
+        dist.barrier()  # step 5: nobody reads the file before rank 0 has finished writing it
+        load_into_bare_model(args, args.checkpoint)  # step 5
+        if rank == 0:  # step 5
+            log(f"checkpoint {args.checkpoint} loads into a bare {args.model} on every rank")
+    dist.destroy_process_group()  # step 1: leave cleanly
+
+
+if __name__ == "__main__":
+    main()  # step 6: no mp.spawn: torchrun, srun or you start the processes

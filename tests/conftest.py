@@ -1,0 +1,117 @@
+"""Shared helpers for the course's tests: launch real scripts under real launchers, with a
+timeout, and read what they did (their output and the probe records, see probe/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE_PATH = Path(__file__).resolve().parent / "probe"
+PYTHON = sys.executable
+TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+
+# A tiny timm ResNet on a small fake CIFAR-10: the real code paths, seconds of compute.
+TINY_RUN = ["--dataset", "fake", "--fake-size", "128", "--model", "test_resnet", "--batch-size", "16", "--workers", "0"]
+TRAIN_SAMPLES = 128
+TEST_SAMPLES = 128 // 5
+
+EPOCH_LINE = re.compile(
+    r"^epoch (?P<epoch>\d+)/(?P<epochs>\d+) train_loss=(?P<train_loss>[\d.]+) train_acc=(?P<train_acc>[\d.]+)%"
+    r" train_samples=(?P<train_samples>\d+) test_acc=(?P<test_acc>[\d.]+)% test_samples=(?P<test_samples>\d+)"
+    r" samples/s=(?P<samples_per_s>[\d.]+) epoch_s=(?P<epoch_s>[\d.]+)$",
+    re.MULTILINE,
+)
+
+
+def missing(reason: str) -> None:
+    """Skip a test whose prerequisite is absent, except under CI, which must have it."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must provide this, but: {reason}")
+    pytest.skip(reason)
+
+
+@dataclass
+class Run:
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def describe(self) -> str:
+        return (f"$ {' '.join(self.command)}\nexit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}"
+                f"\n--- stderr ---\n{self.stderr[-4000:]}")
+
+    def epochs(self) -> list[dict[str, float]]:
+        return [{k: float(v) for k, v in m.groupdict().items()} for m in EPOCH_LINE.finditer(self.stdout)]
+
+
+def launch(command: list[str], *, timeout: float, env: dict[str, str] | None = None,
+           probe_dir: Path | None = None, cwd: Path = REPO, check: bool = True) -> Run:
+    """Run a command in its own process group; on timeout kill the whole group and fail."""
+    full_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # let the scripts choose
+    full_env["PYTHONUNBUFFERED"] = "1"  # the hardest case for whole-line output
+    if probe_dir is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE_PATH), full_env.get("PYTHONPATH")]))
+        full_env["DDP_PROBE_DIR"] = str(probe_dir)
+    full_env.update(env or {})
+    process = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"timed out after {timeout} s\n" + Run(command, -9, stdout, stderr).describe())
+    run = Run(command, process.returncode, stdout, stderr)
+    if check and run.returncode != 0:
+        pytest.fail("command failed\n" + run.describe())
+    return run
+
+
+@dataclass
+class Probe:
+    """What the probe recorded, per process, for one run."""
+
+    directory: Path
+    records: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, directory: Path) -> Probe:
+        records = []
+        for path in sorted(directory.glob("*.jsonl")):
+            pid = int(path.stem)
+            records += [dict(json.loads(line), pid=pid) for line in path.read_text().splitlines()]
+        return cls(directory, records)
+
+    def events(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["event"] == kind]
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of the process that had it."""
+        return {r["rank"]: r["pid"] for r in self.events("init")}
+
+    def indices(self, rank: int | None, loader: int = 0, epoch: int = 0) -> list[int]:
+        """Sample indices, in order, that `rank`'s loader number `loader` drew in pass `epoch`."""
+        return [i for r in self.events("batch") if r["rank"] == rank and r["loader"] == loader
+                and r["pass"] == epoch for i in r["indices"]]
+
+    def params(self, pid: int) -> list:
+        import torch
+
+        return torch.load(self.directory / f"{pid}.params.pt", weights_only=True)
+
+
+@pytest.fixture
+def probe_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "probe"
+    directory.mkdir()
+    return directory
