@@ -9,9 +9,11 @@ On the CPU or a single GPU it runs unchanged (and says so).
 """
 
 import argparse
+import difflib
 import os
 import sys
 import time
+from typing import NoReturn
 
 import timm
 import torch
@@ -40,16 +42,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--image-size", type=int, default=32, help="resize inputs, e.g. 224 for pretrained")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    parser.add_argument("--prefetch-factor", type=int, default=None, help="batches each worker loads ahead (default 2; only with --workers > 0)")
+    parser.add_argument("--amp", choices=["off", "bf16", "fp16"], default="bf16" if torch.cuda.is_available() else "off", help="mixed precision (default: bf16 on a GPU; off on the CPU, where it is slower)")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(), help="NHWC memory layout (default: on with a GPU)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (the first steps compile; off by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=0, help="cap batches per epoch (0: no cap)")
     parser.add_argument("--checkpoint", default="checkpoint.pt", help="where to save the weights ('' to skip)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.epochs < 1 or args.batch_size < 1:  # caught now, not as a crash (or a silent no-op) later
+        fail(f"--epochs and --batch-size must be at least 1, got {args.epochs} and {args.batch_size}")
+    if not timm.is_model(args.model):  # a typo: name the closest models timm knows
+        fail(f"unknown --model {args.model!r}; close matches in timm: {difflib.get_close_matches(args.model, timm.list_models(), 5)}")
+    if os.path.isdir(args.checkpoint):  # found out before training, not when saving after it
+        fail(f"--checkpoint {args.checkpoint} is a directory; give a file name, e.g. {os.path.join(args.checkpoint, 'model.pt')}")
+    return args
 
 
 def log(message: str) -> None:
     # One write per line: lines from several processes sharing a terminal never interleave.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
+
+
+def fail(message: str) -> NoReturn:  # a user error, not a bug: one line that says what to do, no traceback
+    sys.stderr.write(f"error: {message}\n")  # one write, as in log()
+    sys.exit(1)
 
 
 def build_transforms(image_size: int, train: bool) -> transforms.Compose:
@@ -67,8 +85,11 @@ def build_datasets(args: argparse.Namespace, download: bool) -> tuple[Dataset, D
         train = torchvision.datasets.FakeData(args.fake_size, shape, NUM_CLASSES, train_tf, random_offset=0)
         test = torchvision.datasets.FakeData(args.fake_size // 5, shape, NUM_CLASSES, test_tf, random_offset=1)
         return train, test
-    train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf, download=download)
-    test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf, download=download)
+    try:
+        train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf, download=download)
+        test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf, download=download)
+    except (OSError, RuntimeError) as error:  # offline (a URLError is an OSError), or files missing or damaged
+        fail(f"no CIFAR-10 in {os.path.abspath(args.data_dir)} and no download ({error}): copy {torchvision.datasets.CIFAR10.url} into it, or use --dataset fake")
     return train, test
 
 
@@ -94,7 +115,11 @@ def steps_in(loader: DataLoader, max_steps: int) -> int:
     return min(len(loader), max_steps) if max_steps else len(loader)
 
 
-def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_progress: bool) -> torch.Tensor:
+def autocast_context(amp: str, device: torch.device) -> torch.autocast:  # convs and matmuls in 16 bits, sums stay fp32
+    return torch.autocast(device.type, dtype=torch.float16 if amp == "fp16" else torch.bfloat16, enabled=amp != "off")
+
+
+def train_one_epoch(model, loader, optimizer, scaler, device, max_steps: int, amp: str, show_progress: bool) -> torch.Tensor:
     """Returns (summed loss, correct predictions, samples seen) as one tensor."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -103,11 +128,13 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_progr
         if max_steps and step >= max_steps:
             break
         images, labels = images.to(device), labels.to(device)
-        logits = model(images)
-        loss = F.cross_entropy(logits, labels)
+        with autocast_context(amp, device):  # the forward pass only; backward reuses its precisions
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()  # fp16: scale up so small gradients do not round to zero
+        scaler.step(optimizer)  # unscales first; skips the step if a gradient overflowed
+        scaler.update()  # (with bf16 or fp32 the scaler is off and these three are plain backward/step)
         totals[0] += loss.detach() * len(labels)  # tensors, not .item(): no GPU sync per step
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -116,7 +143,7 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_progr
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, max_steps: int) -> torch.Tensor:
+def evaluate(model, loader, device, max_steps: int, amp: str) -> torch.Tensor:
     """Returns (correct predictions, samples seen) as one tensor."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -124,7 +151,8 @@ def evaluate(model, loader, device, max_steps: int) -> torch.Tensor:
         if max_steps and step >= max_steps:
             break
         images, labels = images.to(device), labels.to(device)
-        totals[0] += (model(images).argmax(1) == labels).sum()
+        with autocast_context(amp, device):
+            totals[0] += (model(images).argmax(1) == labels).sum()
         totals[1] += len(labels)
     return totals
 
@@ -153,20 +181,24 @@ def main() -> None:
 
     train_set, test_set = build_datasets(args, download=True)
     pin = device.type == "cuda"  # page-locked host memory makes copies to the GPU faster
-    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, num_workers=args.workers, pin_memory=pin)
-    test_loader = DataLoader(test_set, args.batch_size, num_workers=args.workers, pin_memory=pin)
+    loading = dict(num_workers=args.workers, pin_memory=pin, persistent_workers=args.workers > 0, prefetch_factor=args.prefetch_factor if args.workers else None)  # workers outlive an epoch
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, **loading)
+    test_loader = DataLoader(test_set, args.batch_size, **loading)
 
-    model = build_model(args.model, args.pretrained, args.image_size).to(device)
+    model = build_model(args.model, args.pretrained, args.image_size).to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
     model = nn.DataParallel(model)  # DP: replicate on every GPU each step, split each batch
     log(f"DataParallel over {torch.cuda.device_count()} GPU(s); 0 or 1 GPU: it just calls the model")  # DP
     optimizer = build_optimizer(args, model)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # only fp16 needs loss scaling
+    if args.compile:  # in place: same object, same state_dict keys; compiles what is trained (DDP included)
+        model.compile()
 
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        train_totals = train_one_epoch(model, train_loader, optimizer, device, args.max_steps, show_progress=True)
+        train_totals = train_one_epoch(model, train_loader, optimizer, scaler, device, args.max_steps, args.amp, show_progress=True)
         seconds = time.perf_counter() - start
-        test_totals = evaluate(model, test_loader, device, args.max_steps)
+        test_totals = evaluate(model, test_loader, device, args.max_steps, args.amp)
         scheduler.step()
         log(epoch_line(epoch, args.epochs, train_totals, test_totals, seconds))
 

@@ -25,8 +25,8 @@ class Step:
 STEPS = [
     Step("part1_single/train.py", "part2_dp/train.py", "DP", ("nn.DataParallel", "model.module"), 5),
     Step("part1_single/train.py", "part3_ddp/step1_process_group.py", "step 1",
-         ("init_process_group", "destroy_process_group", "mp.spawn", "set_device", "barrier", "gloo", "nccl"), 45),
-    Step("part3_ddp/step1_process_group.py", "part3_ddp/step2_ddp_wrap.py", "step 2", ("DDP(", "model.module"), 5),
+         ("init_process_group", "destroy_process_group", "mp.spawn", "set_device", "barrier", "gloo", "nccl"), 49),
+    Step("part3_ddp/step1_process_group.py", "part3_ddp/step2_ddp_wrap.py", "step 2", ("DDP(", "model.module", "SyncBatchNorm"), 7),
     Step("part3_ddp/step2_ddp_wrap.py", "part3_ddp/step3_distributed_sampler.py", "step 3",
          ("DistributedSampler(", "set_epoch(", "all_reduce("), 10),
     Step("part3_ddp/step3_distributed_sampler.py", "part3_ddp/step4_device_placement.py", "step 4",
@@ -34,9 +34,16 @@ STEPS = [
     Step("part3_ddp/step4_device_placement.py", "part3_ddp/step5_checkpoint.py", "step 5",
          ("model.module", "barrier", "load_state_dict"), 15),
     Step("part3_ddp/step5_checkpoint.py", "part4_torchrun/train.py", "step 6",
-         ("LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "scontrol"), 20),
+         ("LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "scontrol"), 21),
+    Step("part4_torchrun/train.py", "part4_torchrun/train_snapshot.py", "step 7",
+         ("os.replace(", "set_rng_state(", "optimizer.load_state_dict(", "range(start_epoch"), 25),
 ]
 TEACHING_SCRIPTS = sorted({s.before for s in STEPS} | {s.after for s in STEPS})
+# Was 250. Failing well (issue 5: clear errors, timeouts, checkpoint loading) adds ~28 lines that
+# part 1 and step 1 pass on to every later script, and the snapshot step ~28 more on top of part 4.
+# Issue 7's performance flags (--amp, --channels-last, --compile, loader settings) add 15 lines
+# in part 1, inherited unchanged, and --sync-bn 4 more in step 2.
+MAX_LINES = 330
 
 
 def code_lines(path: str) -> list[str]:
@@ -53,7 +60,7 @@ def added_runs(step: Step) -> list[list[str]]:
     for line in difflib.unified_diff(code_lines(step.before), code_lines(step.after), lineterm="", n=0):
         added = line.startswith("+") and not line.startswith("+++")
         if added and line[1:].strip():
-            if not previous_added:
+            if not previous_added or not runs:  # (a run may start with blank added lines)
                 runs.append([])
             runs[-1].append(line[1:])
         previous_added = added
@@ -98,7 +105,7 @@ def test_teaching_scripts_are_standalone(script: str) -> None:
             continue
         for name in names:
             assert name.split(".")[0] not in repo_packages, f"{script} imports {name} from the repository"
-    assert len((REPO / script).read_text().splitlines()) <= 250, f"{script}: keep it under 250 lines"
+    assert len((REPO / script).read_text().splitlines()) <= MAX_LINES, f"{script}: keep it under {MAX_LINES} lines"
 
 
 def test_scripts_share_flags_and_function_order() -> None:

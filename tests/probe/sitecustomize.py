@@ -92,3 +92,111 @@ def _install() -> None:
 
 if PROBE_DIR:
     _install()
+
+
+# Appended for the Slurm tests (multi-node): which node each rank ran on, and which ranks
+# wrote files with torch.save (the probe's own files excluded):
+# - {"event": "node", "rank", "node"}  after init_process_group: SLURMD_NODENAME under Slurm,
+#   else DDP_PROBE_NODE (a test's name for a launcher it started), else the host name
+# - {"event": "save", "rank", "path"}  at every torch.save
+# and, to test that a failing rank ends the whole job: the process whose launcher-given rank
+# (RANK, else SLURM_PROCID) equals DDP_PROBE_FAIL_RANK exits with status 3 just before
+# init_process_group, as a rank that crashes at start-up would, after recording
+# - {"event": "fail", "rank", "time"}
+def _install_node_and_save() -> None:
+    import socket
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    def record(event: dict) -> None:
+        with open(os.path.join(PROBE_DIR, f"{os.getpid()}.jsonl"), "a") as out:
+            out.write(json.dumps(event) + "\n")
+
+    wrapped_init_pg = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        launcher_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+        if launcher_rank is not None and launcher_rank == os.environ.get("DDP_PROBE_FAIL_RANK"):
+            record({"event": "fail", "rank": int(launcher_rank), "time": time.time()})
+            os._exit(3)
+        result = wrapped_init_pg(*args, **kwargs)
+        node = os.environ.get("SLURMD_NODENAME") or os.environ.get("DDP_PROBE_NODE") or socket.gethostname()
+        record({"event": "node", "rank": dist.get_rank(), "node": node})
+        return result
+
+    dist.init_process_group = init_process_group
+
+    original_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else repr(f)
+        if not path.startswith(os.path.abspath(PROBE_DIR) + os.sep):
+            record({"event": "save", "rank": dist.get_rank() if dist.is_initialized() else None, "path": path})
+        return original_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+if PROBE_DIR:
+    _install_node_and_save()
+
+
+# Appended for the failure tests (tests/test_failures.py): faults injected at a chosen moment.
+# DDP_PROBE_KILL_AT / DDP_PROBE_RAISE_AT = "rank:pass:batch" act when that rank's training loader
+# (loader 0) draws that batch of that pass: KILL sends SIGKILL to the process itself, only in
+# torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0 or unset), so a restarted worker runs on;
+# RAISE raises a RuntimeError. DDP_PROBE_CRASH_AT_REPLACE = N kills the process (SIGKILL) at its
+# N-th os.replace call, after the temporary file was written and before it is renamed.
+# Each records {"event": "killed" | "raised" | "crashed", "rank", "time"} first.
+def _install_faults() -> None:
+    import signal
+    import time
+
+    import torch.distributed as dist
+    import torch.utils.data as data
+
+    def record(event: dict) -> None:
+        with open(os.path.join(PROBE_DIR, f"{os.getpid()}.jsonl"), "a") as out:
+            out.write(json.dumps(dict(event, rank=dist.get_rank() if dist.is_initialized() else None,
+                                      time=time.time())) + "\n")
+
+    def parse(name: str) -> tuple[int, int, int] | None:
+        value = os.environ.get(name)
+        return tuple(int(part) for part in value.split(":")) if value else None
+
+    kill_at, raise_at = parse("DDP_PROBE_KILL_AT"), parse("DDP_PROBE_RAISE_AT")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    probed_iter = data.BatchSampler.__iter__
+
+    def batch_iter(self):
+        where = (getattr(self, "_probe_pass", 0),)  # read before the probed iterator counts this pass
+        for batch_number, batch in enumerate(probed_iter(self)):
+            if getattr(self, "_probe_loader", None) == 0 and dist.is_initialized():
+                now = (dist.get_rank(), *where, batch_number)
+                if now == kill_at and first_attempt:
+                    record({"event": "killed"})
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if now == raise_at:
+                    record({"event": "raised"})
+                    raise RuntimeError(f"probe: rank {now[0]} fails on purpose at batch {batch_number}")
+            yield batch
+
+    data.BatchSampler.__iter__ = batch_iter
+
+    crash_at, replaces = int(os.environ.get("DDP_PROBE_CRASH_AT_REPLACE", 0)), [0]
+    original_replace = os.replace
+
+    def replace(source, destination, *args, **kwargs):
+        replaces[0] += 1
+        if replaces[0] == crash_at:
+            record({"event": "crashed", "source": os.fspath(source)})
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_replace(source, destination, *args, **kwargs)
+
+    os.replace = replace
+
+
+if PROBE_DIR:
+    _install_faults()

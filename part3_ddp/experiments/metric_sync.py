@@ -1,0 +1,128 @@
+"""Experiment 3: synchronising metrics across ranks, and printing them once.
+
+Every rank computes its loss and accuracy on its own shard of the batch; those numbers
+describe one rank, not the model. To report the model's numbers:
+
+- average a scalar with `all_reduce(SUM)` and divide by the world size. `dist.reduce` to
+  rank 0 with SUM leaves the *sum* on rank 0 (world size times too large), and leaves other
+  ranks' tensors undefined: reduce a copy, never the tensor you still need.
+- gather per-sample results (here: was the prediction right?) with `all_gather`, then
+  count over the concatenation. all_gather needs the same shape on every rank.
+- print on the primary rank only: one line per step, not one per rank.
+
+    python part3_ddp/experiments/metric_sync.py
+    python part3_ddp/experiments/metric_sync.py --nprocs 3 --steps 5
+
+Evidence lines (all from rank 0):
+    losses step=0 per_rank=2.31,2.28            each rank's own loss (gathered to print it)
+    reduce step=0 op=SUM dst=0 value=4.59       what rank 0 holds after dist.reduce
+    average step=0 all_reduce_then_divide=2.295 what every rank holds after all_reduce / world
+    accuracy step=0 gathered=64 correct=7 acc=10.94%   predictions of all ranks
+"""
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
+    parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn",
+                        help="fork: children inherit the imported torch and start at once (CPU only)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def log(message: str) -> None:
+    sys.stdout.write(message + "\n")  # one write per line: ranks never glue lines together
+    sys.stdout.flush()
+
+
+def find_free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup(rank: int, world_size: int) -> None:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # ranks share the cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def is_primary() -> bool:
+    return dist.get_rank() == 0
+
+
+def print_primary(message: str) -> None:
+    if is_primary():  # the other ranks know the same numbers after the collectives; one line is enough
+        log(message)
+
+
+def average(value: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks, on every rank. A copy: the caller's tensor stays this rank's value."""
+    total = value.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)  # gloo has no AVG; NCCL does, the result is the same
+    return total / dist.get_world_size()
+
+
+def reduce_to_primary(value: torch.Tensor) -> torch.Tensor:
+    """What dist.reduce leaves on rank 0: the SUM. Only rank 0's result is meaningful."""
+    total = value.detach().clone()
+    dist.reduce(total, dst=0, op=dist.ReduceOp.SUM)
+    return total
+
+
+def gather(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor, concatenated in rank order (same shape required on all ranks)."""
+    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, values.contiguous())
+    return torch.cat(parts)
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    setup(rank, world_size)
+    torch.manual_seed(args.seed)  # same model everywhere (DDP would also broadcast rank 0's weights)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(args.seed + 1 + rank)  # different data on each rank
+    for step in range(args.steps):
+        x = torch.randn(args.batch_size, 8, generator=data)
+        y = torch.randint(0, 4, (args.batch_size,), generator=data)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+        per_rank = gather(loss.detach().reshape(1))  # to show the raw material; not needed in practice
+        summed = reduce_to_primary(loss)
+        mean = average(loss)
+        correct = gather(logits.argmax(1) == y)  # one bool per sample of every rank
+        print_primary(f"losses step={step} per_rank={','.join(f'{v:.6f}' for v in per_rank.tolist())}")
+        print_primary(f"reduce step={step} op=SUM dst=0 value={summed.item():.6f}")
+        print_primary(f"average step={step} all_reduce_then_divide={mean.item():.6f}")
+        print_primary(f"accuracy step={step} gathered={correct.numel()} correct={int(correct.sum())}"
+                      f" acc={100 * correct.float().mean().item():.2f}%")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python and
+    # imports torch again (seconds). "fork" copies this process, imports included: instant, and
+    # safe here because nothing touched CUDA or started threads yet. With GPUs, keep "spawn".
+    if args.start_method == "fork":  # DDP imports torch._dynamo on first use (seconds): once here, shared
+        import torch._dynamo
+    mp.start_processes(worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method)

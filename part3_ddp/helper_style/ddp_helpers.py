@@ -1,0 +1,111 @@
+"""The helper module of the helper-module style: everything distributed, in one place.
+
+The training file (train.py next to this) calls these functions and never touches
+torch.distributed itself. Each helper does the right thing in a world of one process too,
+so the same training file runs with 1 or N processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def find_free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one, so no clash with a stale run
+        return sock.getsockname()[1]
+
+
+def launch(worker: Callable[..., None], nprocs: int, *args) -> None:
+    """Run worker(rank, world_size, *args) in nprocs processes; with one, just call it."""
+    if nprocs == 1:
+        worker(0, 1, *args)  # no extra process, no process group: plain single-device PyTorch
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    mp.spawn(worker, args=(nprocs, *args), nprocs=nprocs)
+
+
+def init_process_group(rank: int, world_size: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)  # before init_process_group: one GPU per process
+    elif "OMP_NUM_THREADS" not in os.environ:  # processes share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_primary() -> bool:
+    return get_rank() == 0
+
+
+def print_primary(message: str) -> None:
+    if is_primary():
+        sys.stdout.write(message + "\n")  # one write per line
+        sys.stdout.flush()
+
+
+def get_device() -> torch.device:
+    return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+
+
+def data_sampler(dataset: Dataset, shuffle: bool) -> DistributedSampler | None:
+    """A DistributedSampler when distributed; None otherwise (then let the DataLoader shuffle)."""
+    return DistributedSampler(dataset, shuffle=shuffle) if is_distributed() else None
+
+
+def prepare_ddp_model(model: nn.Module) -> nn.Module:
+    """Wrap in DDP only when there is someone to synchronise with."""
+    if not is_distributed() or get_world_size() == 1:
+        return model
+    return DDP(model, device_ids=[get_device().index] if torch.cuda.is_available() else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+def reduce(value: torch.Tensor, average: bool = True) -> torch.Tensor:
+    """Sum (or average) over ranks; a copy, on every rank."""
+    value = value.detach().clone()
+    if is_distributed():
+        dist.all_reduce(value)
+        if average:
+            value /= get_world_size()
+    return value
+
+
+def gather(value: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's tensor (same shape on all ranks), in rank order."""
+    if not is_distributed():
+        return [value]
+    parts = [torch.empty_like(value) for _ in range(get_world_size())]
+    dist.all_gather(parts, value.contiguous())
+    return parts
+
+
+def cleanup() -> None:
+    if is_distributed():
+        dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""The helper-module style: a short training file; ddp_helpers.py does the distributed parts.
+
+Compare with part3_ddp/step5_checkpoint.py, where every distributed line is visible in the
+training script. Here the training loop reads like single-process code; the price is that
+the distributed behaviour lives in another file.
+
+    python part3_ddp/helper_style/train.py --nprocs 1
+    python part3_ddp/helper_style/train.py --nprocs 2
+"""
+
+import argparse
+
+import ddp_helpers as ddp  # found next to this file: python puts the script's folder on sys.path
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=torch.cuda.device_count() or 2, help="processes (ranks)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--data-size", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def dummy_dataset(size: int, seed: int) -> TensorDataset:
+    """4 classes, told apart by which quarter of [0, 4) a single number falls in."""
+    g = torch.Generator().manual_seed(seed)
+    x = 4 * torch.rand(size, 1, generator=g)
+    return TensorDataset(x, x[:, 0].long().clamp(max=3))
+
+
+def train_one_epoch(model, loader, optimizer) -> torch.Tensor:
+    """(summed loss, correct, samples) on this rank."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=ddp.get_device())
+    for x, y in loader:
+        x, y = x.to(ddp.get_device()), y.to(ddp.get_device())
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        totals += torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(), len(y)], device=totals.device)
+    return totals
+
+
+def main_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    if world_size > 1:
+        ddp.init_process_group(rank, world_size)
+    torch.manual_seed(args.seed)  # same initial weights everywhere
+    for name, value in vars(args).items():
+        ddp.print_primary(f"arg {name}={value}")
+
+    dataset = dummy_dataset(args.data_size, args.seed)
+    sampler = ddp.data_sampler(dataset, shuffle=True)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler)
+    model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 4)).to(ddp.get_device())
+    model = ddp.prepare_ddp_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ddp.print_primary(f"world_size={ddp.get_world_size()} device={ddp.get_device()} wrapped={type(model).__name__}")
+
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        loss_sum, correct, seen = ddp.reduce(train_one_epoch(model, loader, optimizer), average=False).tolist()
+        ddp.print_primary(f"epoch {epoch + 1}/{args.epochs} loss={loss_sum / seen:.4f}"
+                          f" acc={100 * correct / seen:.2f}% samples={int(seen)}")
+    ddp.cleanup()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    ddp.launch(main_worker, args.nprocs, args)

@@ -1,0 +1,248 @@
+"""Inside DDP (issue 6): each experiment in part3_ddp/experiments/ makes one claim, and the
+test asserts it on the script's real output under its real launcher (mp.spawn, torchrun).
+One launch per script; the notebooks are executed end to end (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, launch, missing
+
+TIMEOUT = 180  # seconds per launch; healthy runs here take 5-20 s
+EXPERIMENTS = "part3_ddp/experiments"
+PAIR = re.compile(r"(\w+)=(\S+)")
+
+
+def experiment(script: str, *args: str) -> Run:
+    """One launch of an experiment script. fork (the scripts' --start-method option) skips the
+    children's torch import: ~3 s of CPU per process. mp.spawn itself runs in the helper-style test."""
+    return launch([PYTHON, f"{EXPERIMENTS}/{script}", "--start-method", "fork", *args], timeout=TIMEOUT)
+
+
+def records(run: Run, kind: str) -> list[dict[str, str]]:
+    """The key=value pairs of every stdout line starting with `kind `; a bare last token is kept as 'rest'."""
+    out = []
+    for line in run.stdout.splitlines():
+        if line.startswith(kind + " "):
+            fields = dict(PAIR.findall(line))
+            last = line.split()[-1]
+            if "=" not in last:
+                fields["rest"] = last
+            out.append(fields)
+    assert out, f"no '{kind}' lines\n{run.describe()}"
+    return out
+
+
+def assert_only_lines(run: Run, *kinds: str) -> None:
+    """Every line is one of the script's evidence lines: nothing glued, nothing from a stray rank."""
+    for line in run.stdout.splitlines():
+        assert line.split(" ", 1)[0] in kinds, f"unexpected or glued line: {line!r}\n{run.describe()}"
+
+
+def test_shuffling_repeats_without_set_epoch_and_moves_across_ranks_with_it() -> None:
+    run = experiment("shuffling.py")  # 2 ranks, 16 integers, 3 epochs
+    assert_only_lines(run, "indices", "moved", "train")
+    drawn: dict[tuple[str, int, int], list[int]] = {}
+    for r in records(run, "indices"):
+        drawn[r["set_epoch"], int(r["epoch"]), int(r["rank"])] = [int(i) for i in r["rest"].split(",")]
+    for (flag, epoch, _), _indices in drawn.items():
+        union = sorted(drawn[flag, epoch, 0] + drawn[flag, epoch, 1])
+        assert union == list(range(16)), f"set_epoch={flag} epoch {epoch}: the ranks must split the data set"
+    for epoch in (1, 2):
+        for rank in (0, 1):
+            assert drawn["off", epoch, rank] == drawn["off", 0, rank], "without set_epoch every epoch repeats epoch 0"
+        assert set(drawn["on", epoch, 0]) != set(drawn["on", epoch - 1, 0]), "with set_epoch rank 0's shard changes"
+        assert set(drawn["on", epoch, 0]) & set(drawn["on", epoch - 1, 1]), "samples move from rank 1 to rank 0"
+    moved = {(r["set_epoch"], r["to_epoch"], r["rank"]): int(r["count"]) for r in records(run, "moved")}
+    assert all(n == 0 for (flag, _, _), n in moved.items() if flag == "off")
+    assert all(n > 0 for (flag, _, _), n in moved.items() if flag == "on")
+    for flag in ("off", "on"):
+        losses = [float(r["loss"]) for r in records(run, "train") if r["set_epoch"] == flag]
+        assert len(losses) == 4 and losses[-1] < losses[0], f"the short training run (set_epoch={flag}) learns"
+
+
+def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact() -> None:
+    run = experiment("eval_padding.py")  # 10,000 samples on 3 ranks
+    assert_only_lines(run, "reference", "shard", "global")
+    (reference,) = records(run, "reference")
+    assert reference["total"] == "10000"
+    shards = {(r["sampler"], r["rank"]): r for r in records(run, "shard")}
+    assert [shards["padded", str(k)]["total"] for k in range(3)] == ["3334"] * 3, "padded to equal shards"
+    assert sum(int(shards["strided", str(k)]["total"]) for k in range(3)) == 10_000, "strided: each sample once"
+    glob = {(r["sampler"], r["method"]): r for r in records(run, "global")}
+    assert glob["padded", "all_reduce"]["total"] == "10002", "two duplicates counted"
+    assert glob["padded", "all_reduce"]["acc"] != reference["acc"], "padding shifts the accuracy"
+    assert glob["strided", "all_reduce"]["correct"] == reference["correct"]
+    assert glob["strided", "all_reduce"]["acc"] == reference["acc"], "summed counts = single-process accuracy"
+    for sampler in ("padded", "strided"):  # torchmetrics syncs the same counts as the hand-written all_reduce
+        assert glob[sampler, "torchmetrics_micro"]["acc"] == glob[sampler, "all_reduce"]["acc"]
+        assert glob[sampler, "torchmetrics_default_macro"]["acc"] != glob[sampler, "all_reduce"]["acc"]
+    local = {shards["strided", str(k)]["acc"] for k in range(3)}
+    assert len(local) > 1, "before the all_reduce each rank has its own, different accuracy"
+
+
+def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints() -> None:
+    run = experiment("metric_sync.py")  # 2 ranks x 32 samples, 3 steps
+    assert_only_lines(run, "losses", "reduce", "average", "accuracy")
+    for kind in ("losses", "reduce", "average", "accuracy"):
+        assert [r["step"] for r in records(run, kind)] == ["0", "1", "2"], f"one '{kind}' line per step: rank 0 only"
+    for losses, reduced, averaged, accuracy in zip(*(records(run, k) for k in ("losses", "reduce", "average", "accuracy")), strict=True):
+        per_rank = [float(v) for v in losses["per_rank"].split(",")]
+        assert len(per_rank) == 2 and per_rank[0] != per_rank[1], "each rank has its own loss"
+        mean = sum(per_rank) / 2
+        assert math.isclose(float(reduced["value"]), sum(per_rank), abs_tol=1e-5), "reduce(SUM) leaves the sum"
+        assert not math.isclose(float(reduced["value"]), mean, rel_tol=0.1), "... which is not the average"
+        assert math.isclose(float(averaged["all_reduce_then_divide"]), mean, abs_tol=1e-5)
+        assert accuracy["gathered"] == "64", "predictions of both ranks gathered"
+        assert accuracy["acc"] == f"{100 * int(accuracy['correct']) / 64:.2f}%"
+
+
+def test_ddp_equals_one_big_batch_until_batchnorm() -> None:
+    run = experiment("ddp_equals_big_batch.py")  # 2 ranks x 8 vs 1 x 16, 5 SGD steps
+    assert_only_lines(run, "compare", "syncbatchnorm")
+    diff = {(r["model"], r["dtype"]): float(r["max_abs_diff"]) for r in records(run, "compare")}
+    assert diff["mlp", "float64"] < 1e-12, "float64: equal up to rounding"
+    assert diff["mlp", "float32"] < 1e-5, "float32 with a small learning rate: equal to ~1e-7"
+    assert diff["mlp_batchnorm", "float64"] > 1e-4, "BatchNorm normalises per rank: no longer one big batch"
+    (sync,) = records(run, "syncbatchnorm")
+    assert "error=ValueError" in run.stdout and "GPU" in run.stdout, f"SyncBatchNorm on CPU: {sync}"
+
+
+def test_allreduce_by_hand_naive_and_ring_equal_dist_all_reduce() -> None:
+    run = experiment("allreduce_by_hand.py", "--sizes", "256,65536", "--repeats", "2")  # 3 ranks
+    assert_only_lines(run, "grad_averaging", "check", "time")
+    (grads,) = records(run, "grad_averaging")
+    assert float(grads["max_abs_diff_vs_ddp"]) < 1e-12, "averaging .grad by hand = DDP"
+    checks = records(run, "check")
+    assert {(r["algorithm"], r["numel"]) for r in checks} == {(a, n) for a in ("naive", "ring") for n in ("1", "7", "1000")}
+    assert all(float(r["max_abs_diff_vs_all_reduce"]) < 1e-12 for r in checks)
+    times = records(run, "time")
+    assert [r["numel"] for r in times] == ["256", "65536"]
+    for row in times:
+        assert all(float(row[f"{name}_ms"]) > 0 for name in ("builtin", "naive", "ring"))
+
+
+def test_no_sync_accumulation_same_update_fewer_allreduces() -> None:
+    run = experiment("no_sync_accumulation.py")  # 2 ranks, 3 updates x 4 micro-batches
+    assert_only_lines(run, "run", "compare")
+    calls = {r["mode"]: int(r["allreduce_calls"]) for r in records(run, "run")}
+    assert calls == {"sync_every_step": 12, "no_sync": 3, "no_sync_backward_only": 12}, (
+        "no_sync around forward+backward: one all-reduce per update; around backward only: no saving")
+    diff = {r["mode"]: float(r["max_abs_diff"]) for r in records(run, "compare")}
+    assert diff["no_sync"] < 1e-12, "accumulating without sync gives the same update"
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_helper_style_runs_with_one_or_more_processes(nprocs: int, probe_dir: Path) -> None:
+    run = launch([PYTHON, "part3_ddp/helper_style/train.py", "--nprocs", str(nprocs)], timeout=TIMEOUT, probe_dir=probe_dir)
+    assert_only_lines(run, "arg", "world_size=1", "world_size=2", "epoch")
+    wrapped = "DistributedDataParallel" if nprocs > 1 else "Sequential"
+    assert f"world_size={nprocs} device=cpu wrapped={wrapped}" in run.stdout, "wrap in DDP only when distributed"
+    epochs = re.findall(r"^epoch (\d)/2 .* samples=(\d+)$", run.stdout, re.MULTILINE)
+    assert epochs == [("1", "512"), ("2", "512")], "one line per epoch, metrics over all ranks"
+    probe = Probe.read(probe_dir)
+    if nprocs == 1:
+        assert not probe.events("init"), "a world of one needs no process group"
+        assert sorted(probe.indices(None)) == list(range(512))
+    else:
+        assert sorted(probe.ranks()) == [0, 1]
+        for epoch in (0, 1):
+            assert sorted(probe.indices(0, epoch=epoch) + probe.indices(1, epoch=epoch)) == list(range(512))
+
+
+# ---- part4_torchrun/diagnose.py ----------------------------------------------------------------
+
+DIAGNOSE = "part4_torchrun/diagnose.py"
+
+
+def assert_diagnosis_ok(run: Run, world_size: int, launcher: str) -> None:
+    starts = records(run, "start")
+    assert sorted(int(r["rank"].split("/")[0]) for r in starts) == list(range(world_size)), "every rank says hello"
+    assert {r["launcher"] for r in starts} == {launcher}
+    reports = records(run, "report")
+    assert [r["rank"] for r in reports] == [f"{k}/{world_size}" for k in range(world_size)], "rank 0 reports all ranks"
+    for r in reports:
+        assert {"host", "local_rank", "device", "backend", "torch", "python"} <= set(r)
+        assert r["device"] == "cpu" and r["backend"] == "gloo"
+    expected = world_size * (world_size + 1) // 2
+    assert f"all_reduce ok: sum={expected} expected={expected}" in run.stdout
+    assert "barrier ok" in run.stdout and f"OK {world_size} rank(s)" in run.stdout
+
+
+def test_diagnose_under_python_and_torchrun() -> None:
+    assert_diagnosis_ok(launch([PYTHON, DIAGNOSE], timeout=TIMEOUT), 1, "python")
+    run = launch([TORCHRUN, "--standalone", "--nproc_per_node=2", DIAGNOSE], timeout=TIMEOUT)
+    assert_diagnosis_ok(run, 2, "torchrun")
+    local_ranks = sorted(r["local_rank"] for r in records(run, "report"))
+    assert local_ranks == ["0", "1"]
+
+
+def test_diagnose_under_srun_variables() -> None:
+    # What srun gives each task, for two tasks on this machine (MASTER_ADDR exported, as job scripts may do).
+    tasks = " & ".join(f"SLURM_PROCID={k} SLURM_LOCALID={k} {PYTHON} {DIAGNOSE}" for k in (0, 1))
+    env = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_NODELIST": "localhost"}
+    run = launch(["bash", "-c", f"{tasks} & wait -n && wait -n"], timeout=TIMEOUT, env=env)
+    assert_diagnosis_ok(run, 2, "srun")
+
+
+def test_diagnose_names_the_failing_step_and_exits_nonzero() -> None:
+    # Rank 0 of a world of 2 whose rank 1 never comes: the rendezvous times out.
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    run = launch([PYTHON, DIAGNOSE, "--timeout", "2"], timeout=TIMEOUT, env=env, check=False)
+    assert run.returncode == 1, run.describe()
+    assert "FAILED step=init_process_group rank=0" in run.stdout
+    assert "MASTER_PORT" in run.stdout and "NCCL_DEBUG=INFO" in run.stdout, "says what to check"
+    assert "report " not in run.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- notebooks -----------------------------------------------------------------------------------
+
+NOTEBOOKS = sorted(str(p.relative_to(REPO)) for p in (REPO / "part3_ddp").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+@pytest.fixture
+def kernel_for_this_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A kernel spec that starts this very interpreter (the venv's), whatever kernels are installed."""
+    name = "ddp-course-tests"
+    spec_dir = tmp_path / "jupyter" / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    spec = {"argv": [PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": name, "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH")])))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    return name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_notebook_runs_end_to_end(notebook: str, kernel_for_this_python: str) -> None:
+    try:
+        import nbformat
+        from nbclient import NotebookClient
+    except ImportError as error:
+        missing(f"notebooks need nbformat and nbclient (requirements.txt): {error}")
+
+    path = REPO / notebook
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, kernel_name=kernel_for_this_python, timeout=300,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook draws its plots"
+
+
+def test_notebooks_exist() -> None:
+    assert "part3_ddp/experiments/inside_ddp.ipynb" in NOTEBOOKS

@@ -1,0 +1,69 @@
+"""The README is the course map: the files it names exist and the flags its commands pass
+are flags the scripts define. (The commands themselves run in the other test files.)"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+README_FILES = sorted(p.relative_to(REPO) for p in [REPO / "README.md", *REPO.glob("*/README.md")])
+SCRIPT = re.compile(r"[\w./-]+\.(?:py|sbatch|sh|ipynb)\b")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.DOTALL)
+
+
+def commands(text: str) -> list[str]:
+    """Shell commands from code blocks and inline code, continuation lines joined."""
+    lines = [line for block in code_blocks(text) for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`((?:python|torchrun|srun|sbatch|diff) [^`]+)`", text)
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+@cache
+def defined_flags(script: Path) -> frozenset[str]:
+    flags = set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+    return frozenset(flags | {"-h", "--help"})
+
+
+@pytest.mark.parametrize("readme", README_FILES, ids=str)
+def test_named_files_and_links_exist(readme: Path) -> None:
+    text = (REPO / readme).read_text()
+    base = (REPO / readme).parent
+    named = {m for block in [*code_blocks(text), *re.findall(r"`([^`]+)`", text)] for m in SCRIPT.findall(block)}
+    missing = [name for name in named if "/" in name and not (REPO / name).exists() and not (base / name).exists()]
+    assert not missing, f"{readme} names files that do not exist: {missing}"
+    links = [link for link in LINK.findall(text) if "://" not in link]
+    assert not [link for link in links if not (base / link).exists()], f"{readme}: broken links"
+
+
+@pytest.mark.parametrize("readme", README_FILES, ids=str)
+def test_command_flags_exist(readme: Path) -> None:
+    base = (REPO / readme).parent
+    for command in commands((REPO / readme).read_text()):
+        try:
+            words = shlex.split(command)
+        except ValueError:
+            continue
+        scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
+        if not scripts or "pytest" in words:  # pytest's flags are pytest's
+            continue
+        path = next((p for p in (REPO / words[scripts[0]], base / words[scripts[0]]) if p.exists()), None)
+        if path is None:
+            continue  # reported by the test above
+        own_words = words[scripts[0] + 1:]
+        own_words = own_words[:own_words.index("--")] if "--" in own_words else own_words  # the rest is passed on
+        passed = {w.split("=")[0] for w in own_words if w.startswith("-")}
+        unknown = passed - defined_flags(path)
+        assert not unknown, f"{readme}: `{command}` passes {sorted(unknown)}, which {path.name} does not define"
