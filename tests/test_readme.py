@@ -18,13 +18,20 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
 def code_blocks(text: str) -> list[str]:
-    return re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.DOTALL)
+    """Shell code blocks (```bash, ```sh, ```console or unlabelled); logs (```text) are not commands."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    return [body for language, body in blocks if language in ("", "bash", "sh", "console")]
+
+
+def inline_code(text: str) -> list[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)  # fenced blocks out
+    return re.findall(r"`([^`\n]+)`", prose)
 
 
 def commands(text: str) -> list[str]:
     """Shell commands from code blocks and inline code, continuation lines joined."""
     lines = [line for block in code_blocks(text) for line in block.replace("\\\n", " ").splitlines()]
-    lines += re.findall(r"`((?:python|torchrun|srun|sbatch|diff) [^`]+)`", text)
+    lines += [code for code in inline_code(text) if code.split()[0] in ("python", "torchrun", "srun", "sbatch", "diff")]
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
@@ -41,7 +48,7 @@ def defined_flags(script: Path) -> frozenset[str]:
 def test_named_files_and_links_exist(readme: Path) -> None:
     text = (REPO / readme).read_text()
     base = (REPO / readme).parent
-    named = {m for block in [*code_blocks(text), *re.findall(r"`([^`]+)`", text)] for m in SCRIPT.findall(block)}
+    named = {m for block in [*code_blocks(text), *inline_code(text)] for m in SCRIPT.findall(block)}
     missing = [name for name in named if "/" in name and not (REPO / name).exists() and not (base / name).exists()]
     assert not missing, f"{readme} names files that do not exist: {missing}"
     links = [link for link in LINK.findall(text) if "://" not in link]
