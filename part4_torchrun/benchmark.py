@@ -12,9 +12,9 @@ Ratios reported: DDP at world size 1 vs part 1 (the overhead of DDP itself), N r
 scaling: same global batch), threads per rank, launchers, and each flag on vs off.
 
     python part4_torchrun/benchmark.py                                  # everything, ~20 min on 2 cores
-    python part4_torchrun/benchmark.py --suites scaling --repeats 5     # only the scaling runs
+    python part4_torchrun/benchmark.py --suites scaling --scaling-workers 0   # scaling, one core per rank
     python part4_torchrun/benchmark.py --smoke --out /tmp/bench         # 2 tiny runs: does it work?
-    CUDA_VISIBLE_DEVICES=0 python part4_torchrun/benchmark.py --suites flags --max-procs 1   # one GPU
+    python part4_torchrun/benchmark.py --suites flags --max-procs 1 --batch-size 256 --steps 50   # one GPU
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="batches per epoch and rank, CIFAR scripts")
     parser.add_argument("--warmup", type=int, default=1, help="untimed epochs per launch")
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per launch; the median is kept")
+    parser.add_argument("--scaling-workers", type=int, default=None,
+                        help="loader workers per rank in the scaling suite (default: each script's own; 0 keeps one core per rank)")
     parser.add_argument("--mnist-data", default="data/mnist-5k", help="written by tests/mnist_data.py if missing")
     parser.add_argument("--out", default="part4_torchrun/benchmark_results")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
@@ -123,12 +125,14 @@ def plan(args: argparse.Namespace) -> list[Config]:
         for n in sizes if srun_usable() else []:
             add("parts", f"part4 srun n={n}", model, "part4_torchrun/train.py", "srun", n, "default", b)
     if "scaling" in args.suites:  # torchrun; the same threads per rank at every world size
+        workers = () if args.scaling_workers is None else ("--workers", str(args.scaling_workers))
+        tag = "" if args.scaling_workers is None else f" w={args.scaling_workers}"
         for workload, script, batch in [(model, CIFAR_SCRIPTS["part4"][0], b), ("mnist", MNIST_SCRIPT, args.mnist_batch_size)]:
             for n in sizes:
                 for threads in sorted({"1", str(max(1, CORES // n)), str(CORES)}):  # 1, cores/ranks, all cores
-                    add("scaling", f"{workload} torchrun n={n} t={threads} weak", workload, script, "torchrun", n, threads, batch)
+                    add("scaling", f"{workload} torchrun n={n} t={threads}{tag} weak", workload, script, "torchrun", n, threads, batch, workers)
                 if n > 1 and batch % n == 0:  # strong: the global batch of one rank, split
-                    add("scaling", f"{workload} torchrun n={n} t=1 strong", workload, script, "torchrun", n, "1", batch // n)
+                    add("scaling", f"{workload} torchrun n={n} t=1{tag} strong", workload, script, "torchrun", n, "1", batch // n, workers)
     if "flags" in args.suites:  # part 1 (every script has the same flags); part 4 at n=1 too on a GPU
         flag_sets = [(), ("--amp", "bf16"), ("--channels-last",), ("--compile",), ("--workers", "0"),
                      ("--prefetch-factor", "4")]
@@ -208,6 +212,9 @@ def measure(config: Config, args: argparse.Namespace) -> dict:
         os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank it started
         stdout, stderr = process.communicate()
         process.returncode = "timeout"
+    except BaseException:  # Ctrl-C or kill: take the run's processes along
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     wall, gpu = time.perf_counter() - started, sampler.busy_percent()
     rates = [float(m["rate"]) for m in RATE.finditer(stdout)][args.warmup:]
     seen = THREADS.search(stdout)
@@ -328,6 +335,7 @@ def ensure_mnist(args: argparse.Namespace, configs: list[Config]) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the current launch too
     args = parse_args()
     configs = plan(args)
     ensure_mnist(args, configs)
