@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -115,3 +116,33 @@ def probe_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "probe"
     directory.mkdir()
     return directory
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Execute a notebook end to end in a kernel that runs this very interpreter (the venv's, whatever
+    kernels are installed); the first failing cell fails the test. Returns the executed notebook."""
+    import nbformat  # in requirements.txt: a missing one is an error, not a skip
+    from nbclient import NotebookClient
+
+    name = "ddp-course-tests"
+    spec_dir = tmp_path / "jupyter" / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    spec = {"argv": [PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": name, "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH")])))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def run(path: Path, cwd: Path, timeout: int = 300):
+        notebook = nbformat.read(path, as_version=4)
+        NotebookClient(notebook, kernel_name=name, timeout=timeout, resources={"metadata": {"path": str(cwd)}}).execute()
+        return notebook
+
+    return run

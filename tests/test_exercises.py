@@ -17,14 +17,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, launch
+from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
 from mnist_data import TEST_DIGITS, TRAIN_DIGITS, mnist_root  # noqa: F401  (mnist_root: a pytest fixture)
 from test_diff_contract import Step, added_runs, untagged_lines
 
@@ -62,12 +61,6 @@ def graded_targets() -> list[tuple[str, str]]:
     if script:
         return [(os.environ.get("DDP_EXERCISE_LAUNCHER", "srun"), script)]
     return list(SOLUTIONS.items())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -314,7 +307,7 @@ def test_solution_diff_shows_the_six_steps(solution: str) -> None:
 @pytest.mark.parametrize("name", JOB_SCRIPTS)
 def test_job_script_is_valid_bash_and_cluster_neutral(name: str) -> None:
     path = REPO / "solutions" / name
-    subprocess.run(["bash", "-n", str(path)], check=True)
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
     text = path.read_text()
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert directives and not [d for d in directives if re.search(r"gpu|gres|partition|account", d, re.I)], (
@@ -341,9 +334,8 @@ def test_allreduce_benchmark_on_two_cpu_ranks() -> None:
 
 
 @pytest.mark.slow
-def test_scaling_sweep_csv_and_notebook_plot(mnist_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+def test_scaling_sweep_csv_and_notebook_plot(mnist_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                             run_notebook) -> None:
     csv_path, png_path = tmp_path / "scaling.csv", tmp_path / "scaling.png"
     command = [PYTHON, str(REPO / "solutions/scaling_sweep.py"), "--procs", "1", str(WORLD), "--csv", str(csv_path),
                "--", "--epochs", "1", "--batch-size", "64", "--workers", "0", "--data-dir", str(mnist_root),
@@ -359,8 +351,7 @@ def test_scaling_sweep_csv_and_notebook_plot(mnist_root: Path, tmp_path: Path, m
 
     monkeypatch.setenv("SCALING_CSV", str(csv_path))
     monkeypatch.setenv("SCALING_PNG", str(png_path))
-    notebook = nbformat.read(REPO / "solutions/scaling_analysis.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    notebook = run_notebook(REPO / "solutions/scaling_analysis.ipynb", cwd=REPO, timeout=120)
     printed = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
     assert re.search(r"^\s+1 .* 1\.00\s+1\.00$", printed, re.M), f"1 process: speedup 1, efficiency 1\n{printed}"
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the notebook wrote a PNG"

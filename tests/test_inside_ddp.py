@@ -4,15 +4,12 @@ One launch per script; the notebooks are executed end to end (slow)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, launch, missing
+from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
 
 TIMEOUT = 180  # seconds per launch; healthy runs here take 5-20 s
 EXPERIMENTS = "part3_ddp/experiments"
@@ -201,44 +198,16 @@ def test_diagnose_names_the_failing_step_and_exits_nonzero() -> None:
     assert "report " not in run.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---- notebooks -----------------------------------------------------------------------------------
 
 NOTEBOOKS = sorted(str(p.relative_to(REPO)) for p in (REPO / "part3_ddp").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 
 
-@pytest.fixture
-def kernel_for_this_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A kernel spec that starts this very interpreter (the venv's), whatever kernels are installed."""
-    name = "ddp-course-tests"
-    spec_dir = tmp_path / "jupyter" / "kernels" / name
-    spec_dir.mkdir(parents=True)
-    spec = {"argv": [PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": name, "language": "python"}
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH")])))
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    return name
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
-def test_notebook_runs_end_to_end(notebook: str, kernel_for_this_python: str) -> None:
-    try:
-        import nbformat
-        from nbclient import NotebookClient
-    except ImportError as error:
-        missing(f"notebooks need nbformat and nbclient (requirements.txt): {error}")
-
+def test_notebook_runs_end_to_end(notebook: str, run_notebook) -> None:
     path = REPO / notebook
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, kernel_name=kernel_for_this_python, timeout=300,
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError on the first failing cell
+    nb = run_notebook(path, cwd=path.parent)  # raises CellExecutionError on the first failing cell
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook draws its plots"

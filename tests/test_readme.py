@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-README_FILES = sorted(p.relative_to(REPO) for p in [REPO / "README.md", *REPO.glob("*/README.md")])
+README_FILES = sorted(p.relative_to(REPO) for p in [REPO / "README.md", *REPO.glob("*/README.md")]
+                      if not p.relative_to(REPO).parts[0].startswith("."))  # not .pytest_cache's or .venv's
 SCRIPT = re.compile(r"[\w./-]+\.(?:py|sbatch|sh|ipynb)\b")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 

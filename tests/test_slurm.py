@@ -15,7 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TEST_SAMPLES, TINY_RUN, TORCHRUN, TRAIN_SAMPLES, Probe, Run, launch, missing
+from conftest import (
+    PYTHON,
+    REPO,
+    TEST_SAMPLES,
+    TINY_RUN,
+    TORCHRUN,
+    TRAIN_SAMPLES,
+    Probe,
+    Run,
+    free_port,
+    launch,
+    missing,
+)
 from mnist_data import TEST_DIGITS, TRAIN_DIGITS, mnist_root  # noqa: F401  (mnist_root: a pytest fixture)
 
 pytestmark = pytest.mark.slow
@@ -169,12 +181,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
     except (FileNotFoundError, IndexError):
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def train_job(cluster: Cluster, script: str, nodes: int, tmp_path: Path, probe_dir: Path) -> None:
