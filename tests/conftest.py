@@ -21,13 +21,23 @@ PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 
 # A tiny timm ResNet on a small fake CIFAR-10: the real code paths, seconds of compute.
-TINY_RUN = ["--dataset", "fake", "--fake-size", "128", "--model", "test_resnet", "--batch-size", "16", "--workers", "0"]
+TINY_RUN = [
+    "--dataset",
+    "fake",
+    "--fake-size",
+    "128",
+    "--model",
+    "test_resnet",
+    "--batch-size",
+    "16",
+]
 TRAIN_SAMPLES = 128
 TEST_SAMPLES = 128 // 5
 
 EPOCH_LINE = re.compile(
-    r"^epoch (?P<epoch>\d+)/(?P<epochs>\d+) train_loss=(?P<train_loss>[\d.]+) train_acc=(?P<train_acc>[\d.]+)%"
-    r" train_samples=(?P<train_samples>\d+) test_acc=(?P<test_acc>[\d.]+)% test_samples=(?P<test_samples>\d+)"
+    r"^epoch (?P<epoch>\d+)/(?P<epochs>\d+) train_loss=(?P<train_loss>[\d.]+)"
+    r" train_acc=(?P<train_acc>[\d.]+)% train_samples=(?P<train_samples>\d+)"
+    r" test_acc=(?P<test_acc>[\d.]+)% test_samples=(?P<test_samples>\d+)"
     r" samples/s=(?P<samples_per_s>[\d.]+) epoch_s=(?P<epoch_s>[\d.]+)$",
     re.MULTILINE,
 )
@@ -48,24 +58,48 @@ class Run:
     stderr: str
 
     def describe(self) -> str:
-        return (f"$ {' '.join(self.command)}\nexit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}"
-                f"\n--- stderr ---\n{self.stderr[-4000:]}")
+        return (
+            f"$ {' '.join(self.command)}\nexit {self.returncode}\n"
+            f"--- stdout ---\n{self.stdout[-4000:]}"
+            f"\n--- stderr ---\n{self.stderr[-4000:]}"
+        )
 
     def epochs(self) -> list[dict[str, float]]:
-        return [{k: float(v) for k, v in m.groupdict().items()} for m in EPOCH_LINE.finditer(self.stdout)]
+        return [
+            {k: float(v) for k, v in m.groupdict().items()}
+            for m in EPOCH_LINE.finditer(self.stdout)
+        ]
 
 
-def launch(command: list[str], *, timeout: float, env: dict[str, str] | None = None,
-           probe_dir: Path | None = None, cwd: Path = REPO, check: bool = True) -> Run:
+def launch(
+    command: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    probe_dir: Path | None = None,
+    cwd: Path = REPO,
+    check: bool = True,
+) -> Run:
     """Run a command in its own process group; on timeout kill the whole group and fail."""
-    full_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # let the scripts choose
+    full_env = {
+        k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"
+    }  # let the scripts choose
     full_env["PYTHONUNBUFFERED"] = "1"  # the hardest case for whole-line output
     if probe_dir is not None:
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE_PATH), full_env.get("PYTHONPATH")]))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(PROBE_PATH), full_env.get("PYTHONPATH")])
+        )
         full_env["DDP_PROBE_DIR"] = str(probe_dir)
     full_env.update(env or {})
-    process = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -102,8 +136,12 @@ class Probe:
 
     def indices(self, rank: int | None, loader: int = 0, epoch: int = 0) -> list[int]:
         """Sample indices, in order, that `rank`'s loader number `loader` drew in pass `epoch`."""
-        return [i for r in self.events("batch") if r["rank"] == rank and r["loader"] == loader
-                and r["pass"] == epoch for i in r["indices"]]
+        return [
+            i
+            for r in self.events("batch")
+            if r["rank"] == rank and r["loader"] == loader and r["pass"] == epoch
+            for i in r["indices"]
+        ]
 
     def params(self, pid: int) -> list:
         import torch
@@ -127,7 +165,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Execute a notebook end to end in a kernel that runs this very interpreter (the venv's, whatever
+    """Execute a notebook end to end in a kernel that runs this very interpreter (whatever
     kernels are installed); the first failing cell fails the test. Returns the executed notebook."""
     import nbformat  # in requirements.txt: a missing one is an error, not a skip
     from nbclient import NotebookClient
@@ -135,14 +173,23 @@ def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     name = "ddp-course-tests"
     spec_dir = tmp_path / "jupyter" / "kernels" / name
     spec_dir.mkdir(parents=True)
-    spec = {"argv": [PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": name, "language": "python"}
+    spec = {
+        "argv": [PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": name,
+        "language": "python",
+    }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH")])))
+    monkeypatch.setenv(
+        "JUPYTER_PATH",
+        os.pathsep.join(filter(None, [str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH")])),
+    )
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
 
     def run(path: Path, cwd: Path, timeout: int = 300):
         notebook = nbformat.read(path, as_version=4)
-        NotebookClient(notebook, kernel_name=name, timeout=timeout, resources={"metadata": {"path": str(cwd)}}).execute()
+        NotebookClient(
+            notebook, kernel_name=name, timeout=timeout, resources={"metadata": {"path": str(cwd)}}
+        ).execute()
         return notebook
 
     return run

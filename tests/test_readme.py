@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-README_FILES = sorted(p.relative_to(REPO) for p in [REPO / "README.md", *REPO.glob("*/README.md")]
-                      if not p.relative_to(REPO).parts[0].startswith("."))  # not .pytest_cache's or .venv's
+README_FILES = sorted(
+    p.relative_to(REPO)
+    for p in [REPO / "README.md", *REPO.glob("*/README.md")]
+    if not p.relative_to(REPO).parts[0].startswith(".")
+)  # not .pytest_cache's or .venv's
 SCRIPT = re.compile(r"[\w./-]+\.(?:py|sbatch|sh|ipynb)\b")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
 def code_blocks(text: str) -> list[str]:
-    """Shell code blocks (```bash, ```sh, ```console or unlabelled); logs (```text) are not commands."""
+    """Shell code blocks (```bash, ```sh, ```console or unlabelled); ```text logs are not commands."""
     blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
     return [body for language, body in blocks if language in ("", "bash", "sh", "console")]
 
@@ -31,8 +34,14 @@ def inline_code(text: str) -> list[str]:
 
 def commands(text: str) -> list[str]:
     """Shell commands from code blocks and inline code, continuation lines joined."""
-    lines = [line for block in code_blocks(text) for line in block.replace("\\\n", " ").splitlines()]
-    lines += [code for code in inline_code(text) if code.split()[0] in ("python", "torchrun", "srun", "sbatch", "diff")]
+    lines = [
+        line for block in code_blocks(text) for line in block.replace("\\\n", " ").splitlines()
+    ]
+    lines += [
+        code
+        for code in inline_code(text)
+        if code.split()[0] in ("python", "torchrun", "srun", "sbatch", "diff")
+    ]
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
@@ -41,7 +50,11 @@ def defined_flags(script: Path) -> frozenset[str]:
     flags = set()
     for node in ast.walk(ast.parse(script.read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+            flags |= {
+                a.value
+                for a in node.args
+                if isinstance(a, ast.Constant) and str(a.value).startswith("-")
+            }
     return frozenset(flags | {"-h", "--help"})
 
 
@@ -50,7 +63,11 @@ def test_named_files_and_links_exist(readme: Path) -> None:
     text = (REPO / readme).read_text()
     base = (REPO / readme).parent
     named = {m for block in [*code_blocks(text), *inline_code(text)] for m in SCRIPT.findall(block)}
-    missing = [name for name in named if "/" in name and not (REPO / name).exists() and not (base / name).exists()]
+    missing = [
+        name
+        for name in named
+        if "/" in name and not (REPO / name).exists() and not (base / name).exists()
+    ]
     assert not missing, f"{readme} names files that do not exist: {missing}"
     links = [link for link in LINK.findall(text) if "://" not in link]
     assert not [link for link in links if not (base / link).exists()], f"{readme}: broken links"
@@ -67,11 +84,17 @@ def test_command_flags_exist(readme: Path) -> None:
         scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
         if not scripts or "pytest" in words:  # pytest's flags are pytest's
             continue
-        path = next((p for p in (REPO / words[scripts[0]], base / words[scripts[0]]) if p.exists()), None)
+        path = next(
+            (p for p in (REPO / words[scripts[0]], base / words[scripts[0]]) if p.exists()), None
+        )
         if path is None:
             continue  # reported by the test above
-        own_words = words[scripts[0] + 1:]
-        own_words = own_words[:own_words.index("--")] if "--" in own_words else own_words  # the rest is passed on
+        own_words = words[scripts[0] + 1 :]
+        own_words = (
+            own_words[: own_words.index("--")] if "--" in own_words else own_words
+        )  # the rest is passed on
         passed = {w.split("=")[0] for w in own_words if w.startswith("-")}
         unknown = passed - defined_flags(path)
-        assert not unknown, f"{readme}: `{command}` passes {sorted(unknown)}, which {path.name} does not define"
+        assert not unknown, (
+            f"{readme}: `{command}` passes {sorted(unknown)}, which {path.name} does not define"
+        )

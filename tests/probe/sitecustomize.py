@@ -36,8 +36,14 @@ def _install() -> None:
 
     def init_process_group(*args, **kwargs):
         result = original_init_pg(*args, **kwargs)
-        record({"event": "init", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "backend": str(dist.get_backend())})
+        record(
+            {
+                "event": "init",
+                "rank": dist.get_rank(),
+                "world_size": dist.get_world_size(),
+                "backend": str(dist.get_backend()),
+            }
+        )
         return result
 
     dist.init_process_group = init_process_group
@@ -47,7 +53,11 @@ def _install() -> None:
     def destroy_process_group(*args, **kwargs):
         if dist.is_initialized():
             if optimizers:
-                params = [p.detach().cpu().clone() for group in optimizers[0].param_groups for p in group["params"]]
+                params = [
+                    p.detach().cpu().clone()
+                    for group in optimizers[0].param_groups
+                    for p in group["params"]
+                ]
                 torch.save(params, os.path.join(PROBE_DIR, f"{os.getpid()}.params.pt"))
             record({"event": "final", "rank": dist.get_rank(), "threads": torch.get_num_threads()})
         return original_destroy(*args, **kwargs)
@@ -74,8 +84,15 @@ def _install() -> None:
         self._probe_pass = pass_number + 1
         for batch in original_batch_iter(self):
             if loader is not None:
-                record({"event": "batch", "loader": loader, "pass": pass_number, "rank": current_rank(),
-                        "indices": [int(i) for i in batch]})
+                record(
+                    {
+                        "event": "batch",
+                        "loader": loader,
+                        "pass": pass_number,
+                        "rank": current_rank(),
+                        "indices": [int(i) for i in batch],
+                    }
+                )
             yield batch
 
     data.BatchSampler.__iter__ = batch_iter
@@ -89,6 +106,7 @@ def _install() -> None:
             optimizers.append(self)
 
     torch.optim.Optimizer.__init__ = optimizer_init
+
 
 if PROBE_DIR:
     _install()
@@ -122,7 +140,11 @@ def _install_node_and_save() -> None:
             record({"event": "fail", "rank": int(launcher_rank), "time": time.time()})
             os._exit(3)
         result = wrapped_init_pg(*args, **kwargs)
-        node = os.environ.get("SLURMD_NODENAME") or os.environ.get("DDP_PROBE_NODE") or socket.gethostname()
+        node = (
+            os.environ.get("SLURMD_NODENAME")
+            or os.environ.get("DDP_PROBE_NODE")
+            or socket.gethostname()
+        )
         record({"event": "node", "rank": dist.get_rank(), "node": node})
         return result
 
@@ -133,7 +155,13 @@ def _install_node_and_save() -> None:
     def save(obj, f, *args, **kwargs):
         path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else repr(f)
         if not path.startswith(os.path.abspath(PROBE_DIR) + os.sep):
-            record({"event": "save", "rank": dist.get_rank() if dist.is_initialized() else None, "path": path})
+            record(
+                {
+                    "event": "save",
+                    "rank": dist.get_rank() if dist.is_initialized() else None,
+                    "path": path,
+                }
+            )
         return original_save(obj, f, *args, **kwargs)
 
     torch.save = save
@@ -159,8 +187,16 @@ def _install_faults() -> None:
 
     def record(event: dict) -> None:
         with open(os.path.join(PROBE_DIR, f"{os.getpid()}.jsonl"), "a") as out:
-            out.write(json.dumps(dict(event, rank=dist.get_rank() if dist.is_initialized() else None,
-                                      time=time.time())) + "\n")
+            out.write(
+                json.dumps(
+                    dict(
+                        event,
+                        rank=dist.get_rank() if dist.is_initialized() else None,
+                        time=time.time(),
+                    )
+                )
+                + "\n"
+            )
 
     def parse(name: str) -> tuple[int, int, int] | None:
         value = os.environ.get(name)
@@ -171,7 +207,9 @@ def _install_faults() -> None:
     probed_iter = data.BatchSampler.__iter__
 
     def batch_iter(self):
-        where = (getattr(self, "_probe_pass", 0),)  # read before the probed iterator counts this pass
+        where = (
+            getattr(self, "_probe_pass", 0),
+        )  # read before the probed iterator counts this pass
         for batch_number, batch in enumerate(probed_iter(self)):
             if getattr(self, "_probe_loader", None) == 0 and dist.is_initialized():
                 now = (dist.get_rank(), *where, batch_number)
@@ -180,7 +218,9 @@ def _install_faults() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if now == raise_at:
                     record({"event": "raised"})
-                    raise RuntimeError(f"probe: rank {now[0]} fails on purpose at batch {batch_number}")
+                    raise RuntimeError(
+                        f"probe: rank {now[0]} fails on purpose at batch {batch_number}"
+                    )
             yield batch
 
     data.BatchSampler.__iter__ = batch_iter
