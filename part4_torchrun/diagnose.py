@@ -1,35 +1,44 @@
 """Part 4: a first-run sanity check for a new machine or cluster, before any training.
 
-Run it the way you will run training. Every rank prints a `start` line as soon as it knows
-who it is (so a hang shows who never arrived), then the ranks meet, check an all_reduce and
-a barrier, and rank 0 prints one `report` line per rank: host, rank, local rank, device,
-backend and versions. If a step fails, the rank says which step and what to check, and
-exits with status 1 so that the launcher ends the whole job.
+Run it the way you will run training. Every rank prints a `start` line as soon as it knows who
+it is (so a hang shows who never arrived), then the ranks meet, check an all_reduce and a
+barrier, and rank 0 prints one `report` line per rank: host, rank, local rank, device, backend
+and versions. If a step fails, the rank says which step and what to check, and exits with
+status 1 so that the launcher ends the whole job.
+
+The launcher is found as in part4_torchrun/train.py: torchrun if RANK is set; an srun step if
+SLURM_STEP_ID is set (then the job script must export MASTER_ADDR and MASTER_PORT, as the
+job_srun_*.sbatch scripts do); otherwise a world of one process, also inside a batch script.
 
     python part4_torchrun/diagnose.py
     torchrun --standalone --nproc_per_node=2 part4_torchrun/diagnose.py
-    srun --ntasks=2 python part4_torchrun/diagnose.py
     NCCL_DEBUG=INFO torchrun --standalone --nproc_per_node=2 part4_torchrun/diagnose.py --timeout 30
+    # in a job script:
+    export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    export MASTER_PORT=$((15000 + SLURM_JOB_ID % 20000))
+    srun --ntasks=2 python part4_torchrun/diagnose.py
 """
 
 import argparse
 import contextlib
-import datetime
 import os
 import platform
 import shutil
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 HINTS = {
     "launcher environment": [
-        "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT",
-        "srun sets SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; MASTER_ADDR comes from `scontrol show hostnames`",
-        "inside srun, use one launcher: either `srun python ...` or `srun torchrun ...` with --ntasks-per-node=1",
+        "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT",
+        "srun sets SLURM_STEP_ID, SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and"
+        " SLURM_STEP_NUM_NODES; the job script exports MASTER_ADDR and MASTER_PORT",
+        "inside srun, use one launcher: `srun python ...`, or `srun torchrun ...` with"
+        " --ntasks-per-node=1",
     ],
     "device": [
         "CUDA_VISIBLE_DEVICES and `nvidia-smi`: does this node have a GPU for every local rank?",
@@ -37,9 +46,11 @@ HINTS = {
         "use --device cpu to test the network with gloo, without GPUs",
     ],
     "init_process_group": [
-        "did every rank start? count the `start` lines: WORLD_SIZE must equal the number of processes",
-        "MASTER_ADDR must be reachable from every node (ping it); MASTER_PORT must be free and not firewalled",
-        "several network interfaces? pick one: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (see `ip addr`)",
+        "did every rank start? count the `start` lines: WORLD_SIZE must equal the processes",
+        "MASTER_ADDR must be reachable from every node (ping it); MASTER_PORT must be free and"
+        " not firewalled",
+        "several network interfaces? pick one: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME"
+        " (see `ip addr`)",
         "NCCL_DEBUG=INFO prints what NCCL tried; --timeout shortens the wait",
     ],
     "all_reduce": [
@@ -47,7 +58,9 @@ HINTS = {
         "`nvidia-smi topo -m` shows how the GPUs are connected (NVLink, PCIe, across sockets)",
         "try NCCL_P2P_DISABLE=1 or NCCL_IB_DISABLE=1 to rule out one transport",
     ],
-    "gather reports": ["a rank that died or hangs here failed after the all_reduce: look at its own output"],
+    "gather reports": [
+        "a rank that died or hangs here failed after the all_reduce: look at its own output"
+    ],
     "barrier": ["a rank that never reaches the barrier is stuck or dead: look at its last lines"],
 }
 
@@ -69,37 +82,53 @@ def step(name: str):
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the other ranks")
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=int(os.environ.get("DDP_TIMEOUT_S", 300)),
+        help="seconds to wait for the other ranks (default: $DDP_TIMEOUT_S, else 300)",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    sys.stdout.write(message + "\n")  # one write per line: ranks never glue lines together
+    # One write per line: lines of processes that share a terminal never interleave.
+    sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def find_free_port() -> int:
+    # Port 0: the OS picks a free one.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def read_launcher_env() -> tuple[str, int, int, int]:
-    """(launcher, rank, local rank, world size), as part4_torchrun/train.py reads them."""
+def read_launcher_env() -> tuple[str, int, int, int, int]:
+    """(launcher, rank, local rank, world size, local world size)."""
     env = os.environ
-    if "RANK" in env:  # torchrun (its variables win inside srun too)
-        return "torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env:
-        if "MASTER_ADDR" not in env:
-            nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
-                                   capture_output=True, text=True, check=True)
-            env["MASTER_ADDR"] = nodes.stdout.split()[0]
-        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))
-        return "srun", int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+    # torchrun; also inside srun, where torchrun's variables must win.
+    if "RANK" in env:
+        rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
+        return "torchrun", rank, local_rank, int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    # An srun step, one task per process. The batch script itself has SLURM_PROCID but no
+    # step: a plain python there is a world of one.
+    if "SLURM_STEP_ID" in env:
+        if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+            sys.exit(
+                "error: srun step without MASTER_ADDR or MASTER_PORT: export both in the job"
+                ' script, e.g. MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST"'
+                ' | head -n 1)" and MASTER_PORT=$((15000 + SLURM_JOB_ID % 20000))'
+            )
+        world_size, nodes = int(env["SLURM_NTASKS"]), int(env["SLURM_STEP_NUM_NODES"])
+        # Tasks per node, rounded up.
+        local_world_size = -(-world_size // nodes)
+        rank, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"])
+        return "srun", rank, local_rank, world_size, local_world_size
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(find_free_port()))
-    return "python", 0, 0, 1
+    return "python", 0, 0, 1, 1
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -107,22 +136,37 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if not use_cuda:
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"local rank {local_rank} but only {torch.cuda.device_count()} visible GPU(s)")
-    torch.cuda.set_device(local_rank)  # before init_process_group
+        gpus = torch.cuda.device_count()
+        raise RuntimeError(f"local rank {local_rank} but only {gpus} visible GPU(s)")
+    # Before init_process_group: else every rank would use GPU 0.
+    torch.cuda.set_device(local_rank)
     return torch.device(f"cuda:{local_rank}")
 
 
-def identity(rank: int, world_size: int, local_rank: int, device: torch.device, backend: str) -> dict:
+def identity(rank: int, world_size: int, local_rank: int, device, backend: str) -> dict:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else "none"
-    return {"rank": rank, "world_size": world_size, "local_rank": local_rank, "host": socket.gethostname(),
-            "device": str(device), "backend": backend, "torch": torch.__version__,
-            "cuda_build": torch.version.cuda or "none", "gpus": torch.cuda.device_count(), "nccl": nccl, "python": platform.python_version()}
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": local_rank,
+        "host": socket.gethostname(),
+        "device": str(device),
+        "backend": backend,
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda or "none",
+        "gpus": torch.cuda.device_count(),
+        "nccl": nccl,
+        "python": platform.python_version(),
+    }
 
 
 def describe(info: dict) -> str:
-    return (f"rank={info['rank']}/{info['world_size']} local_rank={info['local_rank']} host={info['host']}"
-            f" device={info['device']} backend={info['backend']} torch={info['torch']} cuda_build={info['cuda_build']}"
-            f" gpus={info['gpus']} nccl={info['nccl']} python={info['python']}")
+    return (
+        f"rank={info['rank']}/{info['world_size']} local_rank={info['local_rank']}"
+        f" host={info['host']} device={info['device']} backend={info['backend']}"
+        f" torch={info['torch']} cuda_build={info['cuda_build']} gpus={info['gpus']}"
+        f" nccl={info['nccl']} python={info['python']}"
+    )
 
 
 def explain(failure: StepFailed, rank: int | None) -> None:
@@ -139,20 +183,28 @@ def run_checks(args: argparse.Namespace) -> int:
     rank = None
     try:
         with step("launcher environment"):
-            launcher, rank, local_rank, world_size = read_launcher_env()
+            launcher, rank, local_rank, world_size, local_world_size = read_launcher_env()
         with step("device"):
             device = pick_device(args.device, local_rank)
         backend = "nccl" if device.type == "cuda" else "gloo"
         me = identity(rank, world_size, local_rank, device, backend)
-        log(f"start launcher={launcher} {describe(me)} master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        log(f"start launcher={launcher} {describe(me)} master={master}")
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)  # a check, not a workload: do not oversubscribe the cores
+            # The processes on this machine share its cores.
+            torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
         with step("init_process_group"):
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=args.timeout))
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=args.timeout),
+            )
         with step("all_reduce"):
             value = torch.tensor([rank + 1.0], device=device)
-            dist.all_reduce(value)  # 1 + 2 + ... + world_size
+            # 1 + 2 + ... + world_size
+            dist.all_reduce(value)
             expected = world_size * (world_size + 1) / 2
             if value.item() != expected:
                 raise RuntimeError(f"sum is {value.item()}, expected {expected}")
@@ -170,9 +222,11 @@ def run_checks(args: argparse.Namespace) -> int:
         for info in reports:
             log(f"report {describe(info)}")
         if len({(r["torch"], r["cuda_build"], r["nccl"]) for r in reports}) > 1:
-            log("WARNING: ranks run different torch/CUDA/NCCL versions: use one environment on every node")
+            log("WARNING: ranks run different torch/CUDA/NCCL versions: use one environment")
         hosts = sorted({r["host"] for r in reports})
-        log(f"OK {world_size} rank(s) on {len(hosts)} host(s) ({','.join(hosts)}) backend={backend}")
+        log(
+            f"OK {world_size} rank(s) on {len(hosts)} host(s) ({','.join(hosts)}) backend={backend}"
+        )
     dist.destroy_process_group()
     return 0
 

@@ -1,22 +1,23 @@
-"""Experiment 4: DDP on N ranks with batch B is one process with batch N x B, until BatchNorm.
+"""DDP on N ranks with batch B is one process with batch N x B, until BatchNorm.
 
-Each rank computes the mean-loss gradient of its B samples; DDP averages those gradients
-over the ranks, which is the mean-loss gradient of all N x B samples. Every rank then takes
-the same optimizer step from the same weights. So after any number of steps the weights
-equal those of a single process that trained on the concatenated batch: bit for bit in
-exact arithmetic, to ~1e-15 in float64 (sums in a different order), to ~1e-7 in float32.
+Each rank computes the mean-loss gradient of its B samples; DDP averages those gradients over
+the ranks, which is the mean-loss gradient of all N x B samples. Every rank then takes the
+same optimizer step from the same weights. So after any number of steps the weights equal
+those of one process that trained on the concatenated batch: bit for bit in exact arithmetic,
+to ~1e-16 in float64 (sums in another order), to ~1e-8 in float32 with a small learning rate.
 
-BatchNorm breaks this: in training mode it normalises with the mean and variance of the
-batch it sees, which under DDP is each rank's B samples, not the N x B batch. SyncBatchNorm
-computes those statistics over all ranks and restores the equality, but PyTorch implements
-it for GPU modules only: on CPU, wrapping it in DDP raises the error printed below.
+BatchNorm breaks this: in training mode it normalises with the mean and variance of the batch
+it sees, which under DDP is each rank's B samples, not the N x B batch. SyncBatchNorm computes
+those statistics over all ranks and restores the equality, but PyTorch implements it for GPU
+modules only: on CPU, running it under DDP raises the error printed below.
 
     python part3_ddp/experiments/ddp_equals_big_batch.py
     python part3_ddp/experiments/ddp_equals_big_batch.py --nprocs 3 --steps 10
 
-Evidence lines (rank 0 trains the single-process reference itself, on the full batch):
-    compare model=mlp dtype=float64 lr=0.1 steps=5 max_abs_diff=2.2e-16
-    compare model=mlp_batchnorm dtype=float64 lr=0.1 steps=5 max_abs_diff=3.1e-02
+Evidence lines (rank 0 trains the one-process reference itself, on the full batch):
+    compare model=mlp dtype=float64 lr=0.1 steps=5 ... max_abs_diff=2.776e-17
+    compare model=mlp dtype=float32 lr=0.01 steps=5 ... max_abs_diff=1.490e-08
+    compare model=mlp_batchnorm dtype=float64 lr=0.1 steps=5 ... max_abs_diff=1.828e-02
     syncbatchnorm device=cpu error=ValueError: SyncBatchNorm layers only work with GPU modules
 """
 
@@ -24,6 +25,7 @@ import argparse
 import os
 import socket
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,8 +38,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
-    parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn",
-                        help="fork: children inherit the imported torch and start at once (CPU only)")
+    parser.add_argument(
+        "--start-method",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="fork: children inherit the imported torch and start at once (CPU only)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="B, per process")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -45,24 +51,31 @@ def parse_args() -> argparse.Namespace:
 
 
 def log(message: str) -> None:
-    sys.stdout.write(message + "\n")  # one write per line: ranks never glue lines together
+    # One write per line: lines of processes that share a terminal never interleave.
+    sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def find_free_port() -> int:
+    # Port 0: the OS picks a free one.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def setup(rank: int, world_size: int) -> None:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # ranks share the cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def setup_process_group(rank: int, world_size: int) -> None:
+    # All ranks share this machine's cores: more threads than cores is slower.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    # A collective that waits this long for a lost rank fails instead of hanging.
+    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
 
 
 def build_model(kind: str, dtype: torch.dtype, seed: int) -> nn.Module:
-    torch.manual_seed(seed)  # the same initial weights for the DDP copies and the reference
-    # No dropout anywhere: its random masks would differ between the two set-ups.
+    # The same initial weights for the DDP copies and the reference. No dropout anywhere: its
+    # random masks would differ between the two set-ups.
+    torch.manual_seed(seed)
     if kind == "mlp":
         model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
     else:
@@ -70,52 +83,63 @@ def build_model(kind: str, dtype: torch.dtype, seed: int) -> nn.Module:
     return model.to(dtype)
 
 
-def global_batches(args: argparse.Namespace, world_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(args: argparse.Namespace, world_size: int, dtype: torch.dtype) -> list:
     """The same N x B batches on every rank; rank r trains on rows r*B .. (r+1)*B - 1."""
     g = torch.Generator().manual_seed(args.seed + 1)
     size = world_size * args.batch_size
-    return [(torch.randn(size, 10, generator=g, dtype=dtype), torch.randint(0, 3, (size,), generator=g))
-            for _ in range(args.steps)]
+    return [
+        (torch.randn(size, 10, generator=g, dtype=dtype), torch.randint(0, 3, (size,), generator=g))
+        for _ in range(args.steps)
+    ]
 
 
-def sgd_steps(model: nn.Module, batches, lr: float) -> None:
+def sgd_steps(model: nn.Module, batches: list, lr: float) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for x, y in batches:
-        loss = F.cross_entropy(model(x), y)  # mean over the samples this model sees
+        # The mean over the samples this model sees.
+        loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
 
-def compare(rank: int, world_size: int, args: argparse.Namespace, kind: str, dtype: torch.dtype, lr: float) -> None:
+def compare(rank: int, world_size: int, args: argparse.Namespace, kind: str, dtype, lr) -> None:
     batches = global_batches(args, world_size, dtype)
     b = args.batch_size
+    mine = slice(rank * b, (rank + 1) * b)
     ddp_model = DDP(build_model(kind, dtype, args.seed))
-    sgd_steps(ddp_model, [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) for x, y in batches], lr)
+    sgd_steps(ddp_model, [(x[mine], y[mine]) for x, y in batches], lr)
     if rank == 0:
-        reference = build_model(kind, dtype, args.seed)  # one process, batch N x B, no DDP
+        # One process, batch N x B, no DDP.
+        reference = build_model(kind, dtype, args.seed)
         sgd_steps(reference, batches, lr)
-        diff = max((p - q).abs().max().item() for p, q in zip(ddp_model.module.parameters(), reference.parameters(), strict=True))
+        pairs = zip(ddp_model.module.parameters(), reference.parameters(), strict=True)
+        diff = max((p - q).abs().max().item() for p, q in pairs)
         dtype_name = str(dtype).removeprefix("torch.")
-        log(f"compare model={kind} dtype={dtype_name} lr={lr} steps={args.steps} ranks={world_size}"
-            f" batch={b} big_batch={world_size * b} max_abs_diff={diff:.3e}")
+        log(
+            f"compare model={kind} dtype={dtype_name} lr={lr} steps={args.steps}"
+            f" ranks={world_size} batch={b} big_batch={world_size * b} max_abs_diff={diff:.3e}"
+        )
 
 
 def try_sync_batchnorm(rank: int) -> None:
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(build_model("mlp_batchnorm", torch.float64, 0))
+    model = build_model("mlp_batchnorm", torch.float64, 0)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     try:
         DDP(model)(torch.randn(4, 10, dtype=torch.float64)).sum().backward()
         message = "ok"
-    except (ValueError, RuntimeError) as error:  # the CPU case: SyncBatchNorm wants CUDA tensors
+    except (ValueError, RuntimeError) as error:
+        # The CPU case: SyncBatchNorm wants CUDA tensors.
         message = f"error={type(error).__name__}: {error}"
     if rank == 0:
         log(f"syncbatchnorm device=cpu {message}")
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    setup(rank, world_size)
+    setup_process_group(rank, world_size)
     compare(rank, world_size, args, "mlp", torch.float64, lr=0.1)
-    compare(rank, world_size, args, "mlp", torch.float32, lr=0.01)  # float32: rounding, kept small by a small lr
+    # float32: rounding, kept small by a small learning rate.
+    compare(rank, world_size, args, "mlp", torch.float32, lr=0.01)
     compare(rank, world_size, args, "mlp_batchnorm", torch.float64, lr=0.1)
     try_sync_batchnorm(rank)
     dist.destroy_process_group()
@@ -125,9 +149,12 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python and
-    # imports torch again (seconds). "fork" copies this process, imports included: instant, and
-    # safe here because nothing touched CUDA or started threads yet. With GPUs, keep "spawn".
-    if args.start_method == "fork":  # DDP imports torch._dynamo on first use (seconds): once here, shared
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python
+    # and imports torch again (seconds). "fork" copies this process, imports included: at once,
+    # and safe here because nothing touched CUDA or started threads yet. With GPUs, keep spawn.
+    if args.start_method == "fork":
+        # DDP imports torch._dynamo on first use (seconds): once here, shared by the children.
         import torch._dynamo
-    mp.start_processes(worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method)
+    mp.start_processes(
+        worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method
+    )

@@ -1,18 +1,17 @@
-"""Experiment 2: evaluation on several ranks counts some samples twice, unless you stop it.
+"""Evaluation on several ranks counts some samples twice, unless you stop it.
 
 `DistributedSampler` gives every rank the same number of samples. 10,000 test samples on 3
-ranks do not split evenly, so it pads each shard to ceil(10,000 / 3) = 3,334 by repeating
-the first samples: 10,002 predictions, two of them duplicates, and an accuracy that is
-slightly off. A strided split without padding (rank r takes r, r + 3, r + 6, ...) gives
-3,334 + 3,333 + 3,333 = 10,000 and, after summing the counts over ranks, exactly the
-single-process accuracy.
+ranks do not split evenly, so it pads each shard to ceil(10,000 / 3) = 3,334 by repeating the
+first samples: 10,002 predictions, two of them duplicates, and an accuracy that is slightly
+off. A strided split without padding (rank r takes r, r + 3, r + 6, ...) gives 3,334 + 3,333
++ 3,333 = 10,000 and, after summing the counts over ranks, exactly the one-process accuracy.
 
-Two ways to sum the counts are shown side by side: by hand (`dist.all_reduce` of a
-(correct, total) tensor) and with torchmetrics, whose `compute()` gathers the metric's state
-from all ranks. They agree with each other on the same shards: torchmetrics cannot undo the
-padding either. Where they differ: torchmetrics' `MulticlassAccuracy` averages per class by
-default (average="macro"), which is not correct / total; ask for average="micro" to get the
-count-based number. And `compute()` is a collective: every rank must call it.
+Two ways to sum the counts side by side: by hand (`dist.all_reduce` of a (correct, total)
+tensor) and with torchmetrics, whose `compute()` gathers the metric's state from all ranks.
+They agree on the same shards: torchmetrics cannot undo the padding either. Where they
+differ: torchmetrics' `MulticlassAccuracy` averages per class by default (average="macro"),
+which is not correct / total; ask for average="micro" to get the count-based number. And
+`compute()` is a collective: every rank must call it.
 
     python part3_ddp/experiments/eval_padding.py
     python part3_ddp/experiments/eval_padding.py --nprocs 4 --size 10001
@@ -29,6 +28,7 @@ import argparse
 import os
 import socket
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-from torchmetrics.classification import MulticlassAccuracy  # slow to import (~6 s): it loads torchvision, scipy...
+
+# Slow to import (~6 s): it loads torchvision, scipy...
+from torchmetrics.classification import MulticlassAccuracy
 
 NUM_CLASSES = 10
 
@@ -44,8 +46,12 @@ NUM_CLASSES = 10
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=3, help="processes (ranks)")
-    parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn",
-                        help="fork: children inherit the imported torch and start at once (CPU only)")
+    parser.add_argument(
+        "--start-method",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="fork: children inherit the imported torch and start at once (CPU only)",
+    )
     parser.add_argument("--size", type=int, default=10_000, help="test samples")
     parser.add_argument("--batch-size", type=int, default=500, help="per process")
     parser.add_argument("--seed", type=int, default=0)
@@ -53,19 +59,25 @@ def parse_args() -> argparse.Namespace:
 
 
 def log(message: str) -> None:
-    sys.stdout.write(message + "\n")  # one write per line: ranks never glue lines together
+    # One write per line: lines of processes that share a terminal never interleave.
+    sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def find_free_port() -> int:
+    # Port 0: the OS picks a free one.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def setup(rank: int, world_size: int) -> None:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # ranks share the cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def setup_process_group(rank: int, world_size: int) -> None:
+    # All ranks share this machine's cores: more threads than cores is slower.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    # A collective that waits this long for a lost rank fails instead of hanging.
+    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
 
 
 class StridedSampler(Sampler[int]):
@@ -86,16 +98,16 @@ class StridedSampler(Sampler[int]):
 
 
 def make_test_set(size: int, seed: int) -> tuple[TensorDataset, nn.Module]:
-    """A fixed 'trained' linear classifier and labels it gets right about 70% of the time."""
+    """A fixed 'trained' linear classifier, and labels it gets right about 70% of the time."""
     g = torch.Generator().manual_seed(seed)
     model = nn.Linear(16, NUM_CLASSES)
     with torch.no_grad():
         model.weight.copy_(torch.randn(NUM_CLASSES, 16, generator=g))
         model.bias.zero_()
-    x = torch.randn(size, 16, generator=g)
-    with torch.no_grad():
+        x = torch.randn(size, 16, generator=g)
         labels = model(x).argmax(1)
-    wrong = torch.rand(size, generator=g) < 0.3  # relabel 30% at random: an imperfect model
+    # Relabel 30% at random: an imperfect model.
+    wrong = torch.rand(size, generator=g) < 0.3
     labels[wrong] = torch.randint(0, NUM_CLASSES, (int(wrong.sum()),), generator=g)
     return TensorDataset(x, labels), model
 
@@ -112,34 +124,48 @@ def evaluate(model: nn.Module, loader: DataLoader, metrics: list) -> torch.Tenso
     return counts
 
 
-def compare(rank: int, world_size: int, args: argparse.Namespace, name: str, sampler: Sampler) -> None:
+def compare(rank: int, world_size: int, args, name: str, sampler: Sampler) -> None:
     dataset, model = make_test_set(args.size, args.seed)
-    micro = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")  # correct / total
-    default = MulticlassAccuracy(num_classes=NUM_CLASSES)  # average="macro": mean of per-class accuracies
-    local = evaluate(model, DataLoader(dataset, args.batch_size, sampler=sampler), [micro, default])
+    # micro: correct / total; the default, macro: the mean of the per-class accuracies
+    micro = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
+    default = MulticlassAccuracy(num_classes=NUM_CLASSES)
+    loader = DataLoader(dataset, args.batch_size, sampler=sampler)
+    local = evaluate(model, loader, [micro, default])
 
+    # all_gather: only to print every rank's own view below.
     shards = [torch.zeros_like(local) for _ in range(world_size)]
-    dist.all_gather(shards, local)  # only to print every rank's own view below
+    dist.all_gather(shards, local)
+    # The hand-written way: sum (correct, total) over the ranks.
     summed = local.clone()
-    dist.all_reduce(summed)  # the hand-written way: sum (correct, total) over ranks
-    tm_micro, tm_macro = micro.compute().item(), default.compute().item()  # collectives: all ranks call them
+    dist.all_reduce(summed)
+    # Collectives: every rank calls them.
+    tm_micro, tm_macro = micro.compute().item(), default.compute().item()
     if rank == 0:
         for r, (correct, total) in enumerate(shard.tolist() for shard in shards):
-            log(f"shard sampler={name} rank={r} correct={correct} total={total} acc={100 * correct / total:.4f}%")
+            log(
+                f"shard sampler={name} rank={r} correct={correct} total={total}"
+                f" acc={100 * correct / total:.4f}%"
+            )
         correct, total = summed.tolist()
-        log(f"global sampler={name} method=all_reduce correct={correct} total={total} acc={100 * correct / total:.4f}%")
+        log(
+            f"global sampler={name} method=all_reduce correct={correct} total={total}"
+            f" acc={100 * correct / total:.4f}%"
+        )
         log(f"global sampler={name} method=torchmetrics_micro acc={100 * tm_micro:.4f}%")
         log(f"global sampler={name} method=torchmetrics_default_macro acc={100 * tm_macro:.4f}%")
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    setup(rank, world_size)
-    if rank == 0:  # what one process over the whole test set says: the number to reproduce
+    setup_process_group(rank, world_size)
+    if rank == 0:
+        # What one process says over the whole test set: the number to reproduce.
         dataset, model = make_test_set(args.size, args.seed)
+        x, y = dataset.tensors
         with torch.no_grad():
-            correct = int((model(dataset.tensors[0]).argmax(1) == dataset.tensors[1]).sum())
+            correct = int((model(x).argmax(1) == y).sum())
         log(f"reference correct={correct} total={args.size} acc={100 * correct / args.size:.4f}%")
-    padded = DistributedSampler(range(args.size), world_size, rank, shuffle=False)  # pads to equal shards
+    # shuffle=False keeps the order, but the shards are still padded to equal length.
+    padded = DistributedSampler(range(args.size), world_size, rank, shuffle=False)
     compare(rank, world_size, args, "padded", padded)
     compare(rank, world_size, args, "strided", StridedSampler(args.size, rank, world_size))
     dist.destroy_process_group()
@@ -149,9 +175,12 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python and
-    # imports torch again (seconds). "fork" copies this process, imports included: instant, and
-    # safe here because nothing touched CUDA or started threads yet. With GPUs, keep "spawn".
-    if args.start_method == "fork":  # DDP imports torch._dynamo on first use (seconds): once here, shared
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python
+    # and imports torch again (seconds). "fork" copies this process, imports included: at once,
+    # and safe here because nothing touched CUDA or started threads yet. With GPUs, keep spawn.
+    if args.start_method == "fork":
+        # DDP imports torch._dynamo on first use (seconds): once here, shared by the children.
         import torch._dynamo
-    mp.start_processes(worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method)
+    mp.start_processes(
+        worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method
+    )

@@ -1,42 +1,48 @@
-"""Experiment 3: synchronising metrics across ranks, and printing them once.
+"""Synchronising metrics across ranks, and printing them once.
 
 Every rank computes its loss and accuracy on its own shard of the batch; those numbers
 describe one rank, not the model. To report the model's numbers:
 
-- average a scalar with `all_reduce(SUM)` and divide by the world size. `dist.reduce` to
-  rank 0 with SUM leaves the *sum* on rank 0 (world size times too large), and leaves other
+- average a scalar with `all_reduce(SUM)` and divide by the world size. `dist.reduce` to rank
+  0 with SUM leaves the *sum* on rank 0 (world size times too large), and leaves the other
   ranks' tensors undefined: reduce a copy, never the tensor you still need.
-- gather per-sample results (here: was the prediction right?) with `all_gather`, then
-  count over the concatenation. all_gather needs the same shape on every rank.
+- gather per-sample results (here: was the prediction right?) with `all_gather`, then count
+  over the concatenation. all_gather needs the same shape on every rank.
 - print on the primary rank only: one line per step, not one per rank.
 
     python part3_ddp/experiments/metric_sync.py
     python part3_ddp/experiments/metric_sync.py --nprocs 3 --steps 5
 
 Evidence lines (all from rank 0):
-    losses step=0 per_rank=2.31,2.28            each rank's own loss (gathered to print it)
-    reduce step=0 op=SUM dst=0 value=4.59       what rank 0 holds after dist.reduce
-    average step=0 all_reduce_then_divide=2.295 what every rank holds after all_reduce / world
-    accuracy step=0 gathered=64 correct=7 acc=10.94%   predictions of all ranks
+    losses step=0 per_rank=1.394221,1.388377      each rank's own loss (gathered to print it)
+    reduce step=0 op=SUM dst=0 value=2.782598     what rank 0 holds after dist.reduce
+    average step=0 all_reduce_then_divide=1.391299   every rank, after all_reduce / N
+    accuracy step=0 gathered=64 correct=16 acc=25.00%   predictions of all ranks
 """
 
 import argparse
 import os
 import socket
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
-    parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn",
-                        help="fork: children inherit the imported torch and start at once (CPU only)")
+    parser.add_argument(
+        "--start-method",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="fork: children inherit the imported torch and start at once (CPU only)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -44,34 +50,38 @@ def parse_args() -> argparse.Namespace:
 
 
 def log(message: str) -> None:
-    sys.stdout.write(message + "\n")  # one write per line: ranks never glue lines together
+    # One write per line: lines of processes that share a terminal never interleave.
+    sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def find_free_port() -> int:
+    # Port 0: the OS picks a free one.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def setup(rank: int, world_size: int) -> None:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # ranks share the cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-
-
-def is_primary() -> bool:
-    return dist.get_rank() == 0
+def setup_process_group(rank: int, world_size: int) -> None:
+    # All ranks share this machine's cores: more threads than cores is slower.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    # A collective that waits this long for a lost rank fails instead of hanging.
+    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
 
 
 def print_primary(message: str) -> None:
-    if is_primary():  # the other ranks know the same numbers after the collectives; one line is enough
+    # After the collectives every rank knows the same numbers: one line is enough.
+    if dist.get_rank() == 0:
         log(message)
 
 
 def average(value: torch.Tensor) -> torch.Tensor:
-    """The mean over ranks, on every rank. A copy: the caller's tensor stays this rank's value."""
+    """The mean over ranks, on every rank. A copy: the caller's tensor keeps this rank's value."""
     total = value.detach().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)  # gloo has no AVG; NCCL does, the result is the same
+    # gloo has no AVG (NCCL has): SUM, then divide.
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total / dist.get_world_size()
 
 
@@ -83,18 +93,20 @@ def reduce_to_primary(value: torch.Tensor) -> torch.Tensor:
 
 
 def gather(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's tensor, concatenated in rank order (same shape required on all ranks)."""
+    """Every rank's tensor, concatenated in rank order (the same shape on all ranks)."""
     parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, values.contiguous())
     return torch.cat(parts)
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    setup(rank, world_size)
-    torch.manual_seed(args.seed)  # same model everywhere (DDP would also broadcast rank 0's weights)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    setup_process_group(rank, world_size)
+    # The same model everywhere (DDP would also copy rank 0's weights to the others).
+    torch.manual_seed(args.seed)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.Generator().manual_seed(args.seed + 1 + rank)  # different data on each rank
+    # Different data on each rank.
+    data = torch.Generator().manual_seed(args.seed + 1 + rank)
     for step in range(args.steps):
         x = torch.randn(args.batch_size, 8, generator=data)
         y = torch.randint(0, 4, (args.batch_size,), generator=data)
@@ -104,15 +116,20 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         loss.backward()
         optimizer.step()
 
-        per_rank = gather(loss.detach().reshape(1))  # to show the raw material; not needed in practice
+        # Every rank's own loss, only to show the raw material; not needed in practice.
+        per_rank = gather(loss.detach().reshape(1))
         summed = reduce_to_primary(loss)
         mean = average(loss)
-        correct = gather(logits.argmax(1) == y)  # one bool per sample of every rank
-        print_primary(f"losses step={step} per_rank={','.join(f'{v:.6f}' for v in per_rank.tolist())}")
+        # One bool per sample of every rank.
+        correct = gather(logits.argmax(1) == y)
+        losses = ",".join(f"{v:.6f}" for v in per_rank.tolist())
+        print_primary(f"losses step={step} per_rank={losses}")
         print_primary(f"reduce step={step} op=SUM dst=0 value={summed.item():.6f}")
         print_primary(f"average step={step} all_reduce_then_divide={mean.item():.6f}")
-        print_primary(f"accuracy step={step} gathered={correct.numel()} correct={int(correct.sum())}"
-                      f" acc={100 * correct.float().mean().item():.2f}%")
+        print_primary(
+            f"accuracy step={step} gathered={correct.numel()} correct={int(correct.sum())}"
+            f" acc={100 * correct.float().mean().item():.2f}%"
+        )
     dist.destroy_process_group()
 
 
@@ -120,9 +137,12 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python and
-    # imports torch again (seconds). "fork" copies this process, imports included: instant, and
-    # safe here because nothing touched CUDA or started threads yet. With GPUs, keep "spawn".
-    if args.start_method == "fork":  # DDP imports torch._dynamo on first use (seconds): once here, shared
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python
+    # and imports torch again (seconds). "fork" copies this process, imports included: at once,
+    # and safe here because nothing touched CUDA or started threads yet. With GPUs, keep spawn.
+    if args.start_method == "fork":
+        # DDP imports torch._dynamo on first use (seconds): once here, shared by the children.
         import torch._dynamo
-    mp.start_processes(worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method)
+    mp.start_processes(
+        worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method
+    )

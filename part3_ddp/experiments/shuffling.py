@@ -1,132 +1,189 @@
-"""Experiment 1: what `DistributedSampler.set_epoch` does to the data order.
+"""Shuffling: what `DistributedSampler.set_epoch` changes, and when forgetting it hurts.
 
-A data set of plain integers makes the sampler visible: each sample *is* its index. Two
-ranks draw their shards for a few epochs, once without `set_epoch` and once with it. Without
-it the sampler reshuffles with the same seed every epoch, so every epoch repeats epoch 0 and
-each rank sees the same half of the data forever. With it the permutation changes each
-epoch, and because the sampler shuffles the whole data set before splitting it, samples move
-*across* ranks, not only within a rank. A short training run shows the effect on the loss.
+Part 1, the data order. A data set of plain integers makes the sampler visible: each sample
+*is* its index. Two ranks draw their shards for a few epochs, without `set_epoch` and with
+it. Without it the sampler shuffles with the same seed every epoch: every epoch repeats epoch
+0, and each rank sees the same half of the data forever. With it the permutation changes each
+epoch, and since the sampler shuffles the whole data set before splitting it, samples move
+*across* ranks, not only within one.
+
+Part 2, the training. DDP averages the gradients of all ranks, so which rank holds a sample
+does not matter; what `set_epoch` changes is the sequence of global batches, which without it
+is the same every epoch. A linear classifier on a noisy 10-class problem is trained both ways,
+twice: with full epochs, and with every epoch cut short after `--max-steps` steps (a step
+budget, like the course's `--max-steps`). Cut short, an epoch without `set_epoch` draws the
+same first batches again: the model never sees more than those samples, and it shows in the
+test accuracy. With full epochs every sample is seen either way and the two runs end close to
+each other: the repeated order costs little here.
 
     python part3_ddp/experiments/shuffling.py
-    python part3_ddp/experiments/shuffling.py --nprocs 3 --size 24 --epochs 4
+    python part3_ddp/experiments/shuffling.py --nprocs 3 --size 24 --max-steps 8
 
 Evidence lines (parsed by tests/test_inside_ddp.py):
     indices set_epoch=off epoch=0 rank=0 3,1,...   every index a rank drew in that epoch
     moved set_epoch=on from_epoch=0 to_epoch=1 rank=0 count=4   samples new to that rank
-    train set_epoch=off epoch=3 loss=0.52 acc=75.00%   (a tiny MLP, loss and accuracy over all ranks)
+    train epochs=capped set_epoch=off epoch=8 seen=128 loss=0.0835 test_acc=73.85%
+    (seen: distinct training samples drawn so far, by all ranks; loss over all ranks)
 """
 
 import argparse
 import os
 import socket
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
+
+CLASSES, FEATURES = 10, 64
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
-    parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn",
-                        help="fork: children inherit the imported torch and start at once (CPU only)")
-    parser.add_argument("--size", type=int, default=16, help="samples in the integer data set")
-    parser.add_argument("--batch-size", type=int, default=4, help="per process")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--train-epochs", type=int, default=4, help="epochs of the small training run")
+    parser.add_argument(
+        "--start-method",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="fork: children inherit the imported torch and start at once (CPU only)",
+    )
+    parser.add_argument("--size", type=int, default=16, help="part 1: samples in the data set")
+    parser.add_argument("--epochs", type=int, default=3, help="part 1: epochs drawn")
+    parser.add_argument("--train-size", type=int, default=2048, help="part 2: training samples")
+    parser.add_argument("--train-epochs", type=int, default=8, help="part 2")
+    parser.add_argument("--batch-size", type=int, default=16, help="part 2: per process")
+    parser.add_argument("--max-steps", type=int, default=4, help="part 2: steps per short epoch")
+    parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    sys.stdout.write(message + "\n")  # one write per line: ranks never glue lines together
+    # One write per line: lines of processes that share a terminal never interleave.
+    sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def find_free_port() -> int:
+    # Port 0: the OS picks a free one.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def setup(rank: int, world_size: int) -> None:
-    # Several processes share this machine's cores: one thread each unless you say otherwise.
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def setup_process_group(rank: int, world_size: int) -> None:
+    # All ranks share this machine's cores: more threads than cores is slower.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    # A collective that waits this long for a lost rank fails instead of hanging.
+    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
 
 
-def draw_indices(rank: int, world_size: int, args: argparse.Namespace, call_set_epoch: bool) -> list[list[int]]:
+# ---- Part 1: the data order ----------------------------------------------------------------
+
+
+def draw_indices(rank: int, world_size: int, args: argparse.Namespace, call_set_epoch: bool):
     """The indices this rank's loader yields in each epoch."""
-    dataset = list(range(args.size))  # sample i is the integer i
+    # Sample i is the integer i.
+    dataset = list(range(args.size))
     sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
     epochs = []
     for epoch in range(args.epochs):
         if call_set_epoch:
-            sampler.set_epoch(epoch)  # the permutation is seeded with seed + epoch
+            # The permutation is seeded with seed + epoch.
+            sampler.set_epoch(epoch)
         epochs.append([int(i) for batch in loader for i in batch])
     return epochs
 
 
 def report_indices(per_rank: list[list[list[int]]], flag: str) -> None:
-    """Rank 0 prints what every rank drew, then how many samples each rank got that it had not seen before."""
-    for epoch in range(len(per_rank[0])):
-        for rank, epochs in enumerate(per_rank):
-            log(f"indices set_epoch={flag} epoch={epoch} rank={rank} {','.join(map(str, epochs[epoch]))}")
-    for epoch in range(1, len(per_rank[0])):
-        for rank, epochs in enumerate(per_rank):
-            new = set(epochs[epoch]) - set(epochs[epoch - 1])
-            log(f"moved set_epoch={flag} from_epoch={epoch - 1} to_epoch={epoch} rank={rank} count={len(new)}")
+    """What every rank drew, then how many samples each rank got that it had not had before."""
+    epochs = range(len(per_rank[0]))
+    for epoch in epochs:
+        for rank, drawn in enumerate(per_rank):
+            indices = ",".join(map(str, drawn[epoch]))
+            log(f"indices set_epoch={flag} epoch={epoch} rank={rank} {indices}")
+    for epoch in epochs[1:]:
+        for rank, drawn in enumerate(per_rank):
+            new = len(set(drawn[epoch]) - set(drawn[epoch - 1]))
+            log(
+                f"moved set_epoch={flag} from_epoch={epoch - 1} to_epoch={epoch} rank={rank}"
+                f" count={new}"
+            )
 
 
-def synthetic_task(size: int, seed: int) -> TensorDataset:
-    """Two interleaved half-moons in 2-D: small, but not linearly separable."""
+# ---- Part 2: the training ------------------------------------------------------------------
+
+
+def gaussian_classes(size: int, seed: int) -> TensorDataset:
+    """10 classes, each a cloud around its own centre; the clouds overlap. The third tensor
+    is the sample's index, to count the distinct samples a run has seen."""
+    centres = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 2, (size,), generator=g)
-    angle = torch.rand(size, generator=g) * torch.pi
-    x = torch.stack([torch.cos(angle) + labels, torch.sin(angle) * (1 - 2 * labels) + 0.3 * labels], 1)
-    return TensorDataset(x + 0.15 * torch.randn(size, 2, generator=g), labels)
+    labels = torch.randint(0, CLASSES, (size,), generator=g)
+    x = 0.4 * centres[labels] + torch.randn(size, FEATURES, generator=g)
+    return TensorDataset(x, labels, torch.arange(size))
 
 
-def short_training(rank: int, world_size: int, args: argparse.Namespace, call_set_epoch: bool) -> None:
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    dataset = synthetic_task(256, args.seed)
-    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size * 2, sampler=sampler)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 2)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    flag = "on" if call_set_epoch else "off"
+def train(rank: int, world_size: int, args: argparse.Namespace, capped: bool, flag: str) -> None:
+    train_set = gaussian_classes(args.train_size, args.seed + 1)
+    x_test, y_test, _ = gaussian_classes(4096, args.seed + 2).tensors
+    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # The same initial weights for every run (DDP would also copy rank 0's to the others).
+    torch.manual_seed(args.seed)
+    model = DDP(nn.Linear(FEATURES, CLASSES))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    seen = torch.zeros(args.train_size)
     for epoch in range(args.train_epochs):
-        if call_set_epoch:
+        if flag == "on":
             sampler.set_epoch(epoch)
-        totals = torch.zeros(3, dtype=torch.float64)  # summed loss, correct, samples
-        for x, y in loader:
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
+        # (summed loss, samples) on this rank
+        totals = torch.zeros(2)
+        for step, (x, y, index) in enumerate(loader):
+            if capped and step == args.max_steps:
+                break
+            loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            totals += torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(), len(y)])
-        dist.all_reduce(totals)  # loss and accuracy over all ranks, not just rank 0's shard
+            totals[0] += loss.detach() * len(y)
+            totals[1] += len(y)
+            seen[index] = 1
+        # Over all ranks: the loss of every sample, every sample any rank has drawn.
+        dist.all_reduce(totals)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        loss_sum, samples = totals.tolist()
         if rank == 0:
-            log(f"train set_epoch={flag} epoch={epoch} loss={totals[0] / totals[2]:.4f} acc={100 * totals[1] / totals[2]:.2f}%")
+            with torch.no_grad():
+                test_acc = (model.module(x_test).argmax(1) == y_test).float().mean().item()
+            log(
+                f"train epochs={'capped' if capped else 'full'} set_epoch={flag}"
+                f" epoch={epoch + 1} seen={int(seen.sum())} loss={loss_sum / samples:.4f}"
+                f" test_acc={100 * test_acc:.2f}%"
+            )
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    setup(rank, world_size)
-    for call_set_epoch in (False, True):
-        mine = draw_indices(rank, world_size, args, call_set_epoch)
+    setup_process_group(rank, world_size)
+    for flag in ("off", "on"):
+        mine = draw_indices(rank, world_size, args, call_set_epoch=flag == "on")
         everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine)  # rank 0 prints for all: ordered output
+        # Rank 0 prints for all: one ordered output.
+        dist.all_gather_object(everyone, mine)
         if rank == 0:
-            report_indices(everyone, "on" if call_set_epoch else "off")
-    for call_set_epoch in (False, True):
-        short_training(rank, world_size, args, call_set_epoch)
+            report_indices(everyone, flag)
+    for capped in (False, True):
+        for flag in ("off", "on"):
+            train(rank, world_size, args, capped, flag)
     dist.destroy_process_group()
 
 
@@ -134,9 +191,12 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python and
-    # imports torch again (seconds). "fork" copies this process, imports included: instant, and
-    # safe here because nothing touched CUDA or started threads yet. With GPUs, keep "spawn".
-    if args.start_method == "fork":  # DDP imports torch._dynamo on first use (seconds): once here, shared
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python
+    # and imports torch again (seconds). "fork" copies this process, imports included: at once,
+    # and safe here because nothing touched CUDA or started threads yet. With GPUs, keep spawn.
+    if args.start_method == "fork":
+        # DDP imports torch._dynamo on first use (seconds): once here, shared by the children.
         import torch._dynamo
-    mp.start_processes(worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method)
+    mp.start_processes(
+        worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method
+    )

@@ -1,8 +1,8 @@
 """The helper-module style: a short training file; ddp_helpers.py does the distributed parts.
 
 Compare with part3_ddp/step5_checkpoint.py, where every distributed line is visible in the
-training script. Here the training loop reads like single-process code; the price is that
-the distributed behaviour lives in another file.
+training script. Here the training loop reads like single-process code; the price is that the
+distributed behaviour lives in another file.
 
     python part3_ddp/helper_style/train.py --nprocs 1
     python part3_ddp/helper_style/train.py --nprocs 2
@@ -10,7 +10,8 @@ the distributed behaviour lives in another file.
 
 import argparse
 
-import ddp_helpers as ddp  # found next to this file: python puts the script's folder on sys.path
+# Found next to this file: python puts the script's folder on sys.path.
+import ddp_helpers as ddp
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=torch.cuda.device_count() or 2, help="processes (ranks)")
+    nprocs = torch.cuda.device_count() or 2
+    parser.add_argument("--nprocs", type=int, default=nprocs, help="processes (ranks)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--data-size", type=int, default=512)
@@ -36,42 +38,55 @@ def dummy_dataset(size: int, seed: int) -> TensorDataset:
 
 
 def train_one_epoch(model, loader, optimizer) -> torch.Tensor:
-    """(summed loss, correct, samples) on this rank."""
+    """(summed loss, correct, samples) on this rank, summed on the device: no sync per step."""
     model.train()
-    totals = torch.zeros(3, dtype=torch.float64, device=ddp.get_device())
+    device = ddp.get_device()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for x, y in loader:
-        x, y = x.to(ddp.get_device()), y.to(ddp.get_device())
+        x, y = x.to(device), y.to(device)
         logits = model(x)
         loss = F.cross_entropy(logits, y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        totals += torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(), len(y)], device=totals.device)
+        totals[0] += loss.detach() * len(y)
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)
     return totals
 
 
 def main_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if world_size > 1:
-        ddp.init_process_group(rank, world_size)
-    torch.manual_seed(args.seed)  # same initial weights everywhere
+        ddp.setup_process_group(rank, world_size)
+    # The same initial weights everywhere.
+    torch.manual_seed(args.seed)
     for name, value in vars(args).items():
         ddp.print_primary(f"arg {name}={value}")
 
     dataset = dummy_dataset(args.data_size, args.seed)
     sampler = ddp.data_sampler(dataset, shuffle=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler)
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler
+    )
     model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 4)).to(ddp.get_device())
     model = ddp.prepare_ddp_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ddp.print_primary(f"world_size={ddp.get_world_size()} device={ddp.get_device()} wrapped={type(model).__name__}")
+    ddp.print_primary(
+        f"world_size={ddp.get_world_size()} device={ddp.get_device()}"
+        f" wrapped={type(model).__name__}"
+    )
 
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        loss_sum, correct, seen = ddp.reduce(train_one_epoch(model, loader, optimizer), average=False).tolist()
-        ddp.print_primary(f"epoch {epoch + 1}/{args.epochs} loss={loss_sum / seen:.4f}"
-                          f" acc={100 * correct / seen:.2f}% samples={int(seen)}")
-    ddp.cleanup()
+        totals = train_one_epoch(model, loader, optimizer)
+        # Over all ranks; .tolist() waits for the device.
+        loss_sum, correct, seen = ddp.reduce(totals, average=False).tolist()
+        ddp.print_primary(
+            f"epoch {epoch + 1}/{args.epochs} loss={loss_sum / seen:.4f}"
+            f" acc={100 * correct / seen:.2f}% samples={int(seen)}"
+        )
+    ddp.destroy_process_group()
 
 
 if __name__ == "__main__":
