@@ -1,10 +1,10 @@
-"""Exercise 1: classify MNIST digits with a small CNN on ONE device (a GPU if there is one, else the CPU).
+"""Exercise 1: classify MNIST digits with a small CNN on one device (a GPU if there is one).
 
-This is the serial starting point of the workshop. Run it, read it, note its samples/s:
-Exercise 2 turns a copy of it (mnist_classify_ddp.py) into a DDP script.
+The serial starting point: run it, read it, note its samples/s. Exercise 2 turns a copy of it,
+mnist_classify_ddp.py, into a DDP script.
 
-    python exercises/mnist_classify.py --batch-size 128 --epochs 5 --data-dir data
-    srun -n 1 python exercises/mnist_classify.py --batch-size 128 --epochs 5 --data-dir data
+    python exercises/mnist_classify.py --batch-size 64 --epochs 5 --data-dir data/mnist-5k
+    srun -n 1 python exercises/mnist_classify.py --batch-size 64 --epochs 5 --data-dir data
 """
 
 import argparse
@@ -16,53 +16,66 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torchvision import transforms
 from tqdm import tqdm
 
-MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)  # pixel statistics of the MNIST training set
+# Pixel mean and standard deviation of the MNIST training set.
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=128, help="per process")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per step, per process")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
     parser.add_argument("--data-dir", default="data", help="MNIST is downloaded here if missing")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", default="mnist_cnn.pt", help="where to save the weights ('' to skip)")
+    parser.add_argument("--checkpoint", default="mnist_cnn.pt", help="'' to skip")
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines from several processes sharing a terminal never interleave.
+    # One write per line: lines of processes that share a terminal never interleave.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
-def build_datasets(data_dir: str, download: bool) -> tuple[Dataset, Dataset]:
-    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
-    train = torchvision.datasets.MNIST(data_dir, train=True, transform=to_tensor, download=download)
-    test = torchvision.datasets.MNIST(data_dir, train=False, transform=to_tensor, download=download)
+def build_datasets(data_dir: str, download: bool) -> tuple:
+    norm = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+    try:
+        train = torchvision.datasets.MNIST(data_dir, train=True, transform=norm, download=download)
+        test = torchvision.datasets.MNIST(data_dir, train=False, transform=norm, download=download)
+    except (OSError, RuntimeError):
+        # Offline (a URLError is an OSError), or the files are missing or damaged.
+        sys.exit(
+            f"error: no MNIST in {os.path.abspath(data_dir)} and no download; offline, write"
+            " 5,000 real digits with: python exercises/get_mnist_subset.py data/mnist-5k"
+        )
     return train, test
 
 
-def build_loaders(args: argparse.Namespace, pin: bool) -> tuple[DataLoader, DataLoader]:
+def build_loaders(args: argparse.Namespace):
     train_set, test_set = build_datasets(args.data_dir, download=True)
-    # pin: page-locked host memory makes copies to the GPU faster
-    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, num_workers=args.workers, pin_memory=pin)
-    test_loader = DataLoader(test_set, 1000, num_workers=args.workers, pin_memory=pin)
+    # Persistent workers start once, not every epoch: a fork per epoch is slow, and can hang.
+    kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
+    # pin_memory: page-locked host memory makes copies to the GPU faster
+    kwargs["pin_memory"] = torch.cuda.is_available()
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, **kwargs)
+    test_loader = DataLoader(test_set, 1000, **kwargs)
     return train_loader, test_loader
 
 
 class Net(nn.Module):
-    """Two convolutions find strokes, two linear layers vote on the digit; dropout fights overfitting."""
+    """Two convolutions find strokes, two linear layers vote on the digit; dropout against
+    overfitting. Returns logits."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3)  # 28x28 -> 26x26, max-pooled to 13x13
-        self.conv2 = nn.Conv2d(16, 32, 3)  # -> 11x11, max-pooled to 5x5
+        # 28x28 -> 26x26, max-pooled to 13x13; then 11x11, max-pooled to 5x5
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
         self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
         self.fc1 = nn.Linear(32 * 5 * 5, 128)
         self.fc2 = nn.Linear(128, 10)
@@ -71,21 +84,23 @@ class Net(nn.Module):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(self.dropout1(torch.flatten(x, 1))))
-        return self.fc2(self.dropout2(x))  # logits
+        return self.fc2(self.dropout2(x))
 
 
-def train_one_epoch(model, loader, optimizer, device, show_progress: bool) -> torch.Tensor:
-    """Returns (summed loss, correct predictions, samples seen) as one tensor."""
+def train_one_epoch(model, loader, optimizer, device, show_bar: bool) -> torch.Tensor:
+    """Returns (summed loss, correct predictions, images) as one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for images, labels in tqdm(loader, disable=not show_progress, leave=False):
+    # disable=None: a progress bar on a terminal only, never in a batch job's log file
+    for images, labels in tqdm(loader, leave=False, disable=None if show_bar else True):
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        totals[0] += loss.detach() * len(labels)  # tensors, not .item(): no GPU sync per step
+        # Sums stay on the device: a .item() here would wait for the GPU at every step.
+        totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
     return totals
@@ -93,7 +108,7 @@ def train_one_epoch(model, loader, optimizer, device, show_progress: bool) -> to
 
 @torch.no_grad()
 def evaluate(model, loader, device) -> torch.Tensor:
-    """Returns (correct predictions, samples seen) as one tensor."""
+    """Returns (correct predictions, images) as one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -103,12 +118,13 @@ def evaluate(model, loader, device) -> torch.Tensor:
     return totals
 
 
-def epoch_line(epoch: int, epochs: int, train: torch.Tensor, test: torch.Tensor, seconds: float) -> str:
-    loss_sum, correct, seen = train.tolist()
-    test_correct, test_seen = test.tolist()
+def epoch_line(epoch: int, epochs: int, train: list, test: list, seconds: float) -> str:
+    loss_sum, correct, seen = train
+    test_correct, test_seen = test
     return (
-        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f} train_acc={100 * correct / seen:.2f}%"
-        f" train_samples={int(seen)} test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
+        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
+        f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
         f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
     )
 
@@ -121,23 +137,28 @@ def save_checkpoint(model: nn.Module, path: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(args.seed)  # same seed, same initial weights and data order
+    # Same seed, same initial weights and the same data order on every run.
+    torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log(f"device={device} batch_size={args.batch_size} threads={torch.get_num_threads()}")
+    log(f"device={device} threads={torch.get_num_threads()}")
 
-    train_loader, test_loader = build_loaders(args, pin=device.type == "cuda")
+    train_loader, test_loader = build_loaders(args)
 
     model = Net().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)  # smaller steps each epoch
+    # Smaller steps each epoch.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        train_totals = train_one_epoch(model, train_loader, optimizer, device, show_progress=True)
+        totals = train_one_epoch(model, train_loader, optimizer, device, show_bar=True)
+        # .tolist() waits until the device has finished the epoch: only then read the clock.
+        train = totals.tolist()
         seconds = time.perf_counter() - start
         test_totals = evaluate(model, test_loader, device)
+        test = test_totals.tolist()
         scheduler.step()
-        log(epoch_line(epoch, args.epochs, train_totals, test_totals, seconds))
+        log(epoch_line(epoch, args.epochs, train, test, seconds))
 
     if args.checkpoint:
         save_checkpoint(model, args.checkpoint)

@@ -5,23 +5,26 @@ the definitions of NVIDIA's nccl-tests, so numbers compare with theirs:
   algbw = bytes / time                      (how fast this one message went)
   busbw = algbw * 2 (n - 1) / n             (per-link traffic of a ring all-reduce over n ranks;
                                              comparable with the hardware's link bandwidth)
-NCCL on GPUs (pick its algorithm with NCCL_ALGO), gloo on CPUs. Launch with torchrun or srun:
+NCCL on GPUs (pick its algorithm with NCCL_ALGO), gloo on CPUs. Launch with torchrun or srun;
+on 4 GPUs, then on 2 CPU processes:
 
     torchrun --standalone --nproc_per_node=4 solutions/allreduce_benchmark.py
     NCCL_ALGO=Ring torchrun --standalone --nproc_per_node=4 solutions/allreduce_benchmark.py
     NCCL_ALGO=Tree torchrun --standalone --nproc_per_node=4 solutions/allreduce_benchmark.py
-    torchrun --standalone --nproc_per_node=2 solutions/allreduce_benchmark.py --max-bytes 4M   # CPU, gloo
+    torchrun --standalone --nproc_per_node=2 solutions/allreduce_benchmark.py --max-bytes 4M
 """
 
 import argparse
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+COLUMNS = ("size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)")
 
 
 def parse_size(text: str) -> int:
@@ -35,35 +38,43 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-bytes", type=parse_size, default=parse_size("1K"))
     parser.add_argument("--max-bytes", type=parse_size, default=parse_size("256M"))
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size (NCCL sets up on the first)")
+    # NCCL sets up its connections during the first all-reduces: leave them out of the timing
+    parser.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
     parser.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines from several processes sharing a terminal never interleave.
+    # One write per line: lines of processes that share a terminal never interleave.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
-def read_launcher_env() -> tuple[int, int, int, int]:
-    """rank, local rank, world size, processes on this node: from torchrun, else from srun."""
+def setup_process_group() -> tuple[int, int, torch.device]:
+    """Returns rank, world size and this process's device."""
     env = os.environ
-    if "RANK" in env:  # torchrun (it also sets MASTER_ADDR/PORT)
-        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
-    world_size = int(env["SLURM_NTASKS"])  # srun: the job script exports MASTER_ADDR/PORT
-    return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), world_size, int(env.get("SLURM_NTASKS_PER_NODE", world_size))
-
-
-def setup(local_rank: int, local_world_size: int) -> torch.device:
+    # torchrun sets RANK (and MASTER_ADDR, MASTER_PORT); srun sets SLURM_PROCID, and the job
+    # script exports MASTER_ADDR and MASTER_PORT
+    if "RANK" in env:
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    elif "SLURM_PROCID" in env and {"MASTER_ADDR", "MASTER_PORT"} <= env.keys():
+        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")
+    else:
+        sys.exit("error: start it with torchrun, or with srun after exporting MASTER_ADDR/PORT")
+    rank, local_rank, world_size = (int(env[name]) for name in names[:3])
+    local_world_size = int(env.get(names[3], world_size))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # before init_process_group: one GPU per process
-        dist.init_process_group("nccl")
-        return torch.device(f"cuda:{local_rank}")
-    if "OMP_NUM_THREADS" not in os.environ:  # processes on one node share its cores
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+        # before init_process_group: one GPU per process
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in env:
+        # the processes on one node share its cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # a collective that waits this long for a lost rank fails instead of hanging
+    timeout = timedelta(seconds=int(env.get("DDP_TIMEOUT_S", 300)))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return rank, world_size, device
 
 
 def check_sum(device: torch.device) -> None:
@@ -77,22 +88,21 @@ def check_sum(device: torch.device) -> None:
 
 
 def seconds_per_all_reduce(tensor: torch.Tensor, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
+    # At least one warm-up: it also lines the ranks up.
+    for _ in range(max(1, warmup)):
         dist.all_reduce(tensor)
-    synchronize(tensor.device)
-    dist.barrier()  # start together: otherwise we would time the wait for a late rank
+    # Start together, else we would time the wait for a late rank: the last warm-up all-reduce
+    # ends only once every rank has joined it, and .tolist() waits for it on the device.
+    tensor[:1].tolist()
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(tensor)
-    synchronize(tensor.device)  # GPU collectives are asynchronous: wait until they are done
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=tensor.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the operation ends when the slowest rank ends
-    return elapsed.item()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    # GPU collectives are asynchronous: .tolist() waits until they are done.
+    tensor[:1].tolist()
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], device=tensor.device)
+    # The operation ends when the slowest rank ends.
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.tolist()[0]
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -105,20 +115,25 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 def main() -> None:
     args = parse_args()
-    rank, local_rank, world_size, local_world_size = read_launcher_env()
-    device = setup(local_rank, local_world_size)
+    rank, world_size, device = setup_process_group()
     check_sum(device)
     bus_factor = 2 * (world_size - 1) / world_size
     if rank == 0:
-        log(f"# all_reduce world_size={world_size} backend={dist.get_backend()} device={device.type}"
-            f" NCCL_ALGO={os.environ.get('NCCL_ALGO', 'auto')} dtype=float32 iters={args.iters}")
-        log(f"# {'size(B)':>12} {'count':>12} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
+        log(
+            f"# all_reduce world_size={world_size} backend={dist.get_backend()}"
+            f" device={device.type} NCCL_ALGO={os.environ.get('NCCL_ALGO', 'auto')}"
+            f" dtype=float32 iters={args.iters}"
+        )
+        log("# " + " ".join(f"{column:>12}" for column in COLUMNS))
     for size in message_sizes(args.min_bytes, args.max_bytes, args.factor):
-        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)  # 4 bytes per float32
+        # 4 bytes per float32
+        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
         seconds = seconds_per_all_reduce(tensor, args.warmup, args.iters)
-        algbw = size / seconds / 1e9  # GB/s with G = 10^9, as nccl-tests
+        # GB/s with G = 10^9, as nccl-tests
+        algbw = size / seconds / 1e9
+        row = (size, size // 4, f"{seconds * 1e6:.1f}", f"{algbw:.3f}", f"{algbw * bus_factor:.3f}")
         if rank == 0:
-            log(f"  {size:>12} {size // 4:>12} {seconds * 1e6:>12.1f} {algbw:>12.3f} {algbw * bus_factor:>12.3f}")
+            log("  " + " ".join(f"{value:>12}" for value in row))
     dist.destroy_process_group()
 
 
