@@ -59,13 +59,14 @@ def log(message: str) -> None:
 
 def read_launcher_env() -> tuple[int, ...]:
     # step 6: torchrun and srun tell each process who it is; under plain python it is alone
-    env = os.environ
-    if "RANK" not in env and "SLURM_STEP_ID" not in env:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+    if "RANK" not in os.environ and "SLURM_STEP_ID" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
         return 0, 0, 1, 1
+    if "RANK" not in os.environ and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        sys.exit("error: under srun, the job script must export MASTER_ADDR and MASTER_PORT")
     torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
     srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"]
-    return tuple(int(env[name]) for name in (torchrun if "RANK" in env else srun))
+    return tuple(int(os.environ[name]) for name in (torchrun if "RANK" in os.environ else srun))
 
 
 def setup_process_group(rank: int, local_rank: int, world_size: int, local_world_size: int):

@@ -75,7 +75,7 @@ STEPS = [
         "part4_torchrun/train.py",
         "step 6",
         ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
-        25,
+        27,
     ),
     Step(
         "part4_torchrun/train.py",
@@ -103,7 +103,7 @@ STEPS = [
 ]
 TEACHING_SCRIPTS = sorted({s.before for s in STEPS} | {s.after for s in STEPS})
 SPINE = ["part1_single/train.py", *[s.after for s in STEPS[1:7]]]
-MAX_LINES = 210  # per spine script: the longest has 209
+MAX_LINES = 210  # per spine script: the longest has 210
 MAX_LINES_AFTER_SPINE = 245  # the speed and snapshot steps: part 4 plus their lesson
 MAX_FLAGS = 11  # the mp.spawn steps: part 1's ten and --nprocs
 MAX_WIDTH = 100

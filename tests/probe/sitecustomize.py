@@ -114,8 +114,9 @@ if PROBE_DIR:
 
 # Appended for the Slurm tests (multi-node): which node each rank ran on, and which ranks
 # wrote files with torch.save (the probe's own files excluded):
-# - {"event": "node", "rank", "node"}  after init_process_group: SLURMD_NODENAME under Slurm,
-#   else DDP_PROBE_NODE (a test's name for a launcher it started), else the host name
+# - {"event": "node", "rank", "node", "local_rank"}  after init_process_group: the node is
+#   SLURMD_NODENAME under Slurm, else DDP_PROBE_NODE (a test's name for a launcher it started),
+#   else the host name; the local rank is the launcher's (LOCAL_RANK, else SLURM_LOCALID)
 # - {"event": "save", "rank", "path"}  at every torch.save
 # and, to test that a failing rank ends the whole job: the process whose launcher-given rank
 # (RANK, else SLURM_PROCID) equals DDP_PROBE_FAIL_RANK exits with status 3 just before
@@ -145,7 +146,8 @@ def _install_node_and_save() -> None:
             or os.environ.get("DDP_PROBE_NODE")
             or socket.gethostname()
         )
-        record({"event": "node", "rank": dist.get_rank(), "node": node})
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", -1)))
+        record({"event": "node", "rank": dist.get_rank(), "node": node, "local_rank": local_rank})
         return result
 
     dist.init_process_group = init_process_group
