@@ -9,24 +9,34 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, launch
 
-COLUMNS = ["suite", "label", "workload", "script", "launcher", "world_size", "threads", "threads_seen",
-           "batch_per_process", "global_batch", "flags", "samples_per_s", "timed_epochs", "gpu_util_pct",
-           "status", "wall_s"]
+COLUMNS = [
+    *("suite", "label", "workload", "script", "launcher", "world_size", "threads"),
+    *("threads_seen", "batch_per_process", "global_batch", "flags", "samples_per_s"),
+    *("timed_epochs", "gpu_util_pct", "status", "wall_s"),
+]
 
 
 def test_benchmark_smoke_writes_csv_plot_and_ratios(tmp_path: Path) -> None:
-    run = launch([PYTHON, "part4_torchrun/benchmark.py", "--smoke", "--out", str(tmp_path)], timeout=180)
+    command = [PYTHON, "part4_torchrun/benchmark.py", "--smoke", "--out", str(tmp_path)]
+    run = launch(command, timeout=180)
     with (tmp_path / "results.csv").open(newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
     assert reader.fieldnames == COLUMNS
     assert [(r["script"], r["launcher"], r["world_size"]) for r in rows] == [
-        ("part1_single/train.py", "python", "1"), ("part4_torchrun/train.py", "python", "1")]
+        ("part1_single/train.py", "python", "1"),
+        ("part4_torchrun/train.py", "python", "1"),
+    ]
     for r in rows:
         assert r["status"] == "ok", r
         epochs = [float(x) for x in r["timed_epochs"].split(";")]
-        assert len(epochs) == 1 and float(r["samples_per_s"]) == pytest.approx(epochs[0]) and epochs[0] > 0
-    assert rows[1]["threads_seen"].isdigit()  # read from the script's own "threads=" line
+        assert len(epochs) == 1 and epochs[0] > 0
+        assert float(r["samples_per_s"]) == pytest.approx(epochs[0])
+        # read from the script's own "threads=" line
+        assert r["threads_seen"].isdigit(), r
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "overhead at n=1: part4 python n=1 vs part1" in run.stderr + run.stdout
-    assert "| part4 python n=1 |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| part4 python n=1 |" in summary
+    # the summary says how it was made: the command and the machine
+    assert "benchmark.py --smoke" in summary and "CPU cores" in summary
