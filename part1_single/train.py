@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 import time
+from itertools import islice
 
 import timm
 import torch
@@ -78,10 +79,8 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     steps = min(len(loader), max_steps or len(loader))
     # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    bar = tqdm(loader, total=steps, leave=False, disable=None if show_bar else True)
-    for step, (images, labels) in enumerate(bar):
-        if step == steps:
-            break
+    bar = tqdm(islice(loader, steps), total=steps, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
@@ -100,9 +99,8 @@ def evaluate(model, loader, device, max_steps: int):
     """Returns (correct predictions, images) as one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for step, (images, labels) in enumerate(loader):
-        if step == max_steps > 0:
-            break
+    # max_steps=0: islice(loader, None) is the whole loader
+    for images, labels in islice(loader, max_steps or None):
         images, labels = images.to(device), labels.to(device)
         totals[0] += (model(images).argmax(1) == labels).sum()
         totals[1] += len(labels)
@@ -131,7 +129,7 @@ def main() -> None:
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log(f"device={device} threads={torch.get_num_threads()} batch_size={args.batch_size}")
+    log(f"device={device} threads={torch.get_num_threads()}")
 
     train_set, test_set = build_datasets(args, download=True)
     train_loader = DataLoader(train_set, args.batch_size, shuffle=True)

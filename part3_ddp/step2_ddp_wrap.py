@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from itertools import islice
 
 import timm
 import torch
@@ -95,10 +96,8 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     steps = min(len(loader), max_steps or len(loader))
     # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    bar = tqdm(loader, total=steps, leave=False, disable=None if show_bar else True)
-    for step, (images, labels) in enumerate(bar):
-        if step == steps:
-            break
+    bar = tqdm(islice(loader, steps), total=steps, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
@@ -117,9 +116,8 @@ def evaluate(model, loader, device, max_steps: int):
     """Returns (correct predictions, images) as one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for step, (images, labels) in enumerate(loader):
-        if step == max_steps > 0:
-            break
+    # max_steps=0: islice(loader, None) is the whole loader
+    for images, labels in islice(loader, max_steps or None):
         images, labels = images.to(device), labels.to(device)
         totals[0] += (model(images).argmax(1) == labels).sum()
         totals[1] += len(labels)

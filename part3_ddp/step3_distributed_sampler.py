@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from itertools import islice
 
 import timm
 import torch
@@ -96,10 +97,8 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     steps = min(len(loader), max_steps or len(loader))
     # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    bar = tqdm(loader, total=steps, leave=False, disable=None if show_bar else True)
-    for step, (images, labels) in enumerate(bar):
-        if step == steps:
-            break
+    bar = tqdm(islice(loader, steps), total=steps, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
@@ -118,9 +117,8 @@ def evaluate(model, loader, device, max_steps: int):
     """Returns (correct predictions, images) as one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for step, (images, labels) in enumerate(loader):
-        if step == max_steps > 0:
-            break
+    # max_steps=0: islice(loader, None) is the whole loader
+    for images, labels in islice(loader, max_steps or None):
         images, labels = images.to(device), labels.to(device)
         totals[0] += (model(images).argmax(1) == labels).sum()
         totals[1] += len(labels)
@@ -159,7 +157,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:  # step 
     dist.barrier()
     train_set, test_set = build_datasets(args, download=False)
     # step 3: each rank trains on its own shard, and scores every world_size-th test image
-    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, args.batch_size)

@@ -7,6 +7,7 @@ import sys
 import time
 from datetime import timedelta
 from functools import partial
+from itertools import islice
 
 import timm
 import torch
@@ -59,14 +60,15 @@ def log(message: str) -> None:
 
 def read_launcher_env() -> tuple[int, ...]:
     # step 6: torchrun and srun tell each process who it is; under plain python it is alone
-    if "RANK" not in os.environ and "SLURM_STEP_ID" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+    env = os.environ
+    if "RANK" not in env and "SLURM_STEP_ID" not in env:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
         return 0, 0, 1, 1
-    if "RANK" not in os.environ and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
-        sys.exit("error: under srun, the job script must export MASTER_ADDR and MASTER_PORT")
+    if "RANK" not in env and not {"MASTER_PORT", "SLURM_NTASKS_PER_NODE"} <= env.keys():
+        sys.exit("error: under srun, export MASTER_ADDR and MASTER_PORT and give --ntasks-per-node")
     torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
     srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"]
-    return tuple(int(os.environ[name]) for name in (torchrun if "RANK" in os.environ else srun))
+    return tuple(int(env[name]) for name in (torchrun if "RANK" in env else srun))
 
 
 def setup_process_group(rank: int, local_rank: int, world_size: int, local_world_size: int):
@@ -116,10 +118,8 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     steps = min(len(loader), max_steps or len(loader))
     # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    bar = tqdm(loader, total=steps, leave=False, disable=None if show_bar else True)
-    for step, (images, labels) in enumerate(bar):
-        if step == steps:
-            break
+    bar = tqdm(islice(loader, steps), total=steps, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
         # speed: from pinned memory the copy to the GPU overlaps with the work queued before it
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -143,9 +143,8 @@ def evaluate(model, loader, device, max_steps: int):
     """Returns (correct predictions, images) as one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for step, (images, labels) in enumerate(loader):
-        if step == max_steps > 0:
-            break
+    # max_steps=0: islice(loader, None) is the whole loader
+    for images, labels in islice(loader, max_steps or None):
         images, labels = images.to(device), labels.to(device)
         totals[0] += (model(images).argmax(1) == labels).sum()
         totals[1] += len(labels)
@@ -185,7 +184,7 @@ def main() -> None:  # step 6
     dist.barrier()
     train_set, test_set = build_datasets(args, download=False)
     # step 3: each rank trains on its own shard, and scores every world_size-th test image
-    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     # speed: worker processes decode and augment the next batches while the GPU trains; they
     # live as long as the loader (persistent) and fill page-locked (pinned) host memory

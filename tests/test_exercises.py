@@ -490,7 +490,7 @@ def test_job_script_is_valid_bash_and_cluster_neutral(name: str) -> None:
     if name != "job_scaling.sbatch":
         assert "srun --kill-on-bad-exit=1" in text
     if name != "job_serial.sbatch":
-        assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
+        assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p' in text
         assert "SLURM_JOB_ID" in text
 
 

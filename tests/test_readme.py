@@ -22,7 +22,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
 def code_blocks(text: str) -> list[str]:
-    """Shell code blocks (```bash, ```sh, ```console or unlabelled); ```text logs are not commands."""
+    """Shell code blocks (```bash, ```sh, ```console or none); ```text logs are not commands."""
     blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
     return [body for language, body in blocks if language in ("", "bash", "sh", "console")]
 

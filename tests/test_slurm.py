@@ -342,7 +342,7 @@ def test_train_py_tells_the_batch_step_from_an_srun_step(
     assert worlds == [("0", "1")], f"the batch step is a world of one\n{job.describe()}"
     assert len(job.run.epochs()) == 1, job.describe()
     assert "srun exit 1" in job.run.stdout, f"the srun step must fail\n{job.describe()}"
-    error = "error: under srun, the job script must export MASTER_ADDR and MASTER_PORT"
+    error = "error: under srun, export MASTER_ADDR and MASTER_PORT and give --ntasks-per-node"
     assert job.run.stderr.count(error) == 2, job.describe()
     assert "Traceback" not in job.run.stderr, job.describe()
 

@@ -136,7 +136,7 @@ def gaussian_classes(size: int, seed: int) -> TensorDataset:
 def train(rank: int, world_size: int, args: argparse.Namespace, capped: bool, flag: str) -> None:
     train_set = gaussian_classes(args.train_size, args.seed + 1)
     x_test, y_test, _ = gaussian_classes(4096, args.seed + 2).tensors
-    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     # The same initial weights for every run (DDP would also copy rank 0's to the others).
     torch.manual_seed(args.seed)
