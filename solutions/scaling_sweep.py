@@ -67,12 +67,15 @@ def command_for(launcher: str, processes: int) -> list[str]:
     return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", sys.executable, str(script)]
 
 
-def run_once(launcher: str, processes: int, threads: int, script_args: list[str]) -> dict:
+def run_once(
+    launcher: str, processes: int, threads: int, script_args: list[str], step: int
+) -> dict:
     # The same resources per process in every run.
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if launcher == "srun":
-        # A fresh port per step: the previous step's port may still be closing.
-        env["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + processes)
+        # A fresh port per step (the previous step's may still be closing), among the ten
+        # ports from MASTER_PORT that job_scaling.sbatch gives this job.
+        env["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + step % 10)
     command = command_for(launcher, processes) + script_args
     log(f"$ OMP_NUM_THREADS={threads} {' '.join(command)}")
     result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
@@ -101,8 +104,8 @@ def append_row(path: Path, row: dict) -> None:
 
 def main() -> None:
     args = parse_args()
-    for processes in args.procs:
-        result = run_once(args.launcher, processes, args.threads, args.script_args)
+    for step, processes in enumerate(args.procs):
+        result = run_once(args.launcher, processes, args.threads, args.script_args, step)
         append_row(Path(args.csv), {"processes": processes, "launcher": args.launcher, **result})
         log(
             f"processes={processes} samples/s={result['samples_per_s']}"

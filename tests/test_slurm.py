@@ -179,7 +179,18 @@ def submit(
         *args,
     ]
     submitted = launch(command, timeout=30, probe_dir=probe_dir, env={**cluster.env, **(env or {})})
-    job_id = submitted.stdout.strip().split(";")[0]
+    return wait_for(cluster, submitted.stdout.strip().split(";")[0], command, tmp_path)
+
+
+def sbatch_only(cluster: Cluster, args: list[str], probe_dir: Path) -> str:
+    """Submit without waiting; returns the job id."""
+    command = ["sbatch", "--parsable", "--time=5", *args]
+    submitted = launch(command, timeout=30, probe_dir=probe_dir, env=cluster.env)
+    return submitted.stdout.strip().split(";")[0]
+
+
+def wait_for(cluster: Cluster, job_id: str, command: list[str], tmp_path: Path) -> Job:
+    """Wait for a job's end, with a timeout; read its output files back."""
     deadline = time.monotonic() + JOB_TIMEOUT
     info = cluster.job(job_id)
     while info.get("JobState") not in FINISHED:
@@ -345,6 +356,53 @@ def test_train_py_tells_the_batch_step_from_an_srun_step(
     error = "error: under srun, export MASTER_ADDR and MASTER_PORT and give --ntasks-per-node"
     assert job.run.stderr.count(error) == 2, job.describe()
     assert "Traceback" not in job.run.stderr, job.describe()
+
+
+def test_two_jobs_from_one_directory_keep_their_own_files(
+    slurm: Cluster, tmp_path: Path, probe_dir: Path
+) -> None:
+    """Two torchrun jobs submitted at once from one directory, with the job script's defaults
+    for outputs (one core each, so both fit on the node at once, each on ports of its own): each
+    writes its checkpoint into runs/<job id>/ and its log into <job name>-<job id>.out."""
+    cluster = slurm.start(1)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "part4_torchrun").symlink_to(REPO / "part4_torchrun")
+    script = str(REPO / "part4_torchrun" / "job_torchrun_1node.sbatch")
+    options = [f"--chdir={work}", "--cpus-per-task=1", script, *TINY_RUN, "--epochs", "1"]
+    ids = [sbatch_only(cluster, options, probe_dir) for _ in range(2)]
+    jobs = [wait_for(cluster, i, options, tmp_path) for i in ids]
+    for job in jobs:
+        log = work / f"ddp-torchrun-1node-{job.id}.out"
+        assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), log.read_text()
+        text = log.read_text()
+        assert len(re.findall(r"^epoch 1/1 ", text, re.MULTILINE)) == 1, text
+        assert f"saved checkpoint runs/{job.id}/checkpoint.pt" in text, text
+        assert (work / "runs" / job.id / "checkpoint.pt").is_file()
+    saves = sorted(e["path"] for e in Probe.read(probe_dir).events("save"))
+    assert saves == sorted(str(work / "runs" / i / "checkpoint.pt") for i in ids), saves
+    assert not (work / "checkpoint.pt").exists(), "no job may write the shared default"
+
+
+def test_a_job_without_its_environment_says_so(
+    slurm: Cluster, tmp_path: Path, probe_dir: Path
+) -> None:
+    """--export=NONE: the job starts without the submitting shell's PATH (no venv): the job
+    script ends at once with one error line that names what to do."""
+    cluster = slurm.start(1)
+    job = submit(
+        cluster,
+        ONE_NODE_JOBS[0],
+        TINY_RUN,
+        tmp_path,
+        probe_dir=probe_dir,
+        sbatch_options=("--export=NONE",),
+    )
+    assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
+    lines = job.run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no python with torch here"), lines
+    assert "load your environment in the job script" in lines[0], lines
+    assert "rank 0/" not in job.run.stdout, "nothing may start training"
 
 
 # --- two nodes ---
