@@ -14,8 +14,8 @@ job_srun_*.sbatch scripts do); otherwise a world of one process, also inside a b
     torchrun --standalone --nproc_per_node=2 part4_torchrun/diagnose.py
     NCCL_DEBUG=INFO torchrun --standalone --nproc_per_node=2 part4_torchrun/diagnose.py --timeout 30
     # in a job script:
-    export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-    export MASTER_PORT=$((15000 + SLURM_JOB_ID % 20000))
+    export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
+    export MASTER_PORT=$((15000 + SLURM_JOB_ID % 2000 * 10))
     srun --ntasks=2 python part4_torchrun/diagnose.py
 """
 
@@ -119,7 +119,7 @@ def read_launcher_env() -> tuple[str, int, int, int, int]:
             sys.exit(
                 "error: srun step without MASTER_ADDR or MASTER_PORT: export both in the job"
                 ' script, e.g. MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST"'
-                ' | head -n 1)" and MASTER_PORT=$((15000 + SLURM_JOB_ID % 20000))'
+                ' | sed -n 1p)" and MASTER_PORT=$((15000 + SLURM_JOB_ID % 2000 * 10))'
             )
         world_size, nodes = int(env["SLURM_NTASKS"]), int(env["SLURM_STEP_NUM_NODES"])
         # Tasks per node, rounded up.

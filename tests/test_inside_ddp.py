@@ -88,14 +88,14 @@ def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_
     for flag in ("off", "on"):
         assert seen["full", flag] == [2048] * 8, "full epochs see every sample, either way"
         assert acc(final["full", flag]) > 80, "both learn (chance: 10%)"
-    # Measured here: 88.11% (off) and 88.65% (on); over seeds 0-4 the gap stayed within 0.6.
+    # Measured here: 88.11% (off) and 88.65% (on); over --seed values 0-4 the gap stayed within 0.6.
     gap_full = acc(final["full", "on"]) - acc(final["full", "off"])
     assert abs(gap_full) < 2, "with full epochs the repeated order costs little"
     # Cut after 4 steps of 2 x 16: without set_epoch, the same 128 samples every epoch.
     assert seen["capped", "off"] == [128] * 8
     assert seen["capped", "on"][0] == 128 and seen["capped", "on"][-1] > 4 * 128
     assert seen["capped", "on"] == sorted(set(seen["capped", "on"])), "coverage grows"
-    # Measured here: 73.85% (off) and 87.23% (on); over seeds 0-4 a gap of 11-13 points.
+    # Measured here: 73.85% (off) and 87.23% (on); over --seed values 0-4 a gap of 11-13 points.
     gap_capped = acc(final["capped", "on"]) - acc(final["capped", "off"])
     assert gap_capped > 5, "cut epochs without set_epoch: lower test accuracy"
     # ... while the training loss is LOWER without set_epoch: it memorises its 128 samples.
