@@ -1,6 +1,7 @@
 """Part 4's job scripts on a real Slurm cluster (1 or 2 nodes on this machine, started by
-tests/slurm/cluster.sh), the same multi-node run without Slurm (two torchruns), and a failing
-rank ending the whole job. The tests submit the very files learners submit, with sbatch."""
+part4_torchrun/slurm_local/cluster.sh), the same multi-node run without Slurm (two torchruns),
+and a failing rank ending the whole job. The tests submit the very files learners submit, with
+sbatch."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from mnist_data import TEST_DIGITS, TRAIN_DIGITS, mnist_root  # noqa: F401  (mni
 
 pytestmark = pytest.mark.slow
 
-CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "cluster.sh"
+CLUSTER_SCRIPT = REPO / "part4_torchrun" / "slurm_local" / "cluster.sh"
 JOB_TIMEOUT = 240  # seconds; a healthy 4-process job takes ~30 s here, more while other tests run
 FAILURE_DEADLINE = 30  # seconds from a rank's failure to the end of the whole job
 FINISHED = {

@@ -3,15 +3,16 @@
 # for the tests. Needs root and Debian's packages (see .ci/run):
 #   apt-get install --no-install-recommends slurmctld slurmd slurm-client munge
 #
-#   tests/slurm/cluster.sh start 2     # idempotent; restarts with 2 nodes if it ran with 1
-#   eval "$(tests/slurm/cluster.sh env)"   # export SLURM_CONF for sbatch, srun, squeue
+# From the repository root:
+#   part4_torchrun/slurm_local/cluster.sh start 2   # idempotent; 2 nodes, restarts if it had 1
+#   eval "$(part4_torchrun/slurm_local/cluster.sh env)"   # SLURM_CONF for sbatch, srun, squeue
 #   sbatch --wait part4_torchrun/job_srun_2nodes.sbatch --dataset fake --epochs 1
-#   tests/slurm/cluster.sh status      # exit 0 when up
-#   tests/slurm/cluster.sh stop        # cancels its jobs, stops only the daemons it started
+#   part4_torchrun/slurm_local/cluster.sh status    # exit 0 when up
+#   part4_torchrun/slurm_local/cluster.sh stop      # cancels its jobs, stops only its daemons
 #
 # Everything (config, munge key and socket, state, logs, pid files) lives in one private
 # directory, DDP_SLURM_DIR (default /tmp/ddp-course-slurm). Ports: DDP_SLURM_PORT for the
-# controller (default 12817: outside the job scripts' 15000-34999 and the kernel's ephemeral
+# controller (default 12817: outside the job scripts' 15000-35009 and the kernel's ephemeral
 # ports) and the next ones, one slurmd per node. Job ids start at DDP_SLURM_FIRST_JOB_ID
 # (default 1); the job scripts derive their port from it. Nodes are named 127.0.0.1 and
 # 127.0.0.2: names that resolve to this machine. DDP_SLURM_CPUS: CPUs per node (default: the
@@ -23,7 +24,8 @@ PORT="${DDP_SLURM_PORT:-12817}"
 FIRST_JOB_ID="${DDP_SLURM_FIRST_JOB_ID:-1}"
 TASK_PLUGIN="${DDP_SLURM_TASK_PLUGIN:-task/none}"
 CORES="$(nproc)"
-CPUS="${DDP_SLURM_CPUS:-$((CORES > 2 ? CORES : 2))}"  # per node; config_overrides lets it exceed the cores
+# CPUs per node; config_overrides lets them exceed the cores
+CPUS="${DDP_SLURM_CPUS:-$((CORES > 2 ? CORES : 2))}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 CONF="$DIR/slurm.conf"
 export SLURM_CONF="$CONF"
@@ -54,7 +56,9 @@ daemons() {  # "PIDFILE PROGRAM" for every daemon this cluster started (pid file
 all_alive() {  # the cluster of $DIR/nodes nodes is complete
     local pidfile program n
     [[ -s "$DIR/nodes" ]] || return 1
-    for ((n = 1; n <= $(<"$DIR/nodes"); n++)); do alive "$DIR/slurmd.$(node_name "$n").pid" slurmd || return 1; done
+    for ((n = 1; n <= $(<"$DIR/nodes"); n++)); do
+        alive "$DIR/slurmd.$(node_name "$n").pid" slurmd || return 1
+    done
     while read -r pidfile program; do alive "$pidfile" "$program" || return 1; done < <(daemons)
 }
 
@@ -75,7 +79,8 @@ no_jobs() { [[ -z "$(squeue -h -o %i 2>/dev/null)" ]]; }
 
 config() {  # config NODES: the slurm.conf for NODES nodes, on stdout
     local n
-    sed -e "s|@DIR@|$DIR|g" -e "s|@CTLD_PORT@|$PORT|g" -e "s|@TASK_PLUGIN@|$TASK_PLUGIN|g" -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" \
+    sed -e "s|@DIR@|$DIR|g" -e "s|@CTLD_PORT@|$PORT|g" -e "s|@TASK_PLUGIN@|$TASK_PLUGIN|g" \
+        -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" \
         -e "s|@HOST@|$(hostname -s)|g" "$HERE/slurm.conf.in"
     for ((n = 1; n <= $1; n++)); do
         echo "NodeName=$(node_name "$n") Port=$((PORT + n)) CPUs=$CPUS State=UNKNOWN"
@@ -85,12 +90,14 @@ config() {  # config NODES: the slurm.conf for NODES nodes, on stdout
 
 start_munge() {
     # munged refuses keys that others could read and sockets they could replace: its own directory.
-    install -d -o munge -g munge -m 0711 "$DIR/munge"  # others may reach the socket, not list or read
+    # Others may reach the socket, not list or read the directory.
+    install -d -o munge -g munge -m 0711 "$DIR/munge"
     if [[ ! -s "$DIR/munge/munge.key" ]]; then
         runuser -u munge -- mungekey --create --keyfile="$DIR/munge/munge.key"
     fi
-    runuser -u munge -- munged --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
-        --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/munged.seed"
+    runuser -u munge -- munged --socket="$DIR/munge/munge.socket" \
+        --key-file="$DIR/munge/munge.key" --pid-file="$DIR/munge/munged.pid" \
+        --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/munged.seed"
     wait_for 10 munged alive "$DIR/munge/munged.pid" munged
 }
 
@@ -99,11 +106,13 @@ start() {  # start NODES
     [[ "$nodes" == 1 || "$nodes" == 2 ]] || die "usage: $0 start 1|2"
     [[ "$(id -u)" == 0 ]] || die "needs root (slurmd runs jobs as their users)"
     for program in slurmctld slurmd munged sinfo; do
-        command -v "$program" >/dev/null || die "$program not found: apt-get install --no-install-recommends slurmctld slurmd slurm-client munge"
+        command -v "$program" >/dev/null || die "$program not found:" \
+            "apt-get install --no-install-recommends slurmctld slurmd slurm-client munge"
     done
     # Up with the very same configuration (nodes, CPUs, plugins, ports), nodes answering: keep
     # it, and the jobs it may be running.
-    if all_alive && [[ "$(config "$nodes")" == "$(cat "$CONF")" ]] && nodes_in "idle|alloc|mix|comp"; then
+    if all_alive && [[ "$(config "$nodes")" == "$(cat "$CONF")" ]] \
+        && nodes_in "idle|alloc|mix|comp"; then
         echo "cluster.sh: already up with $nodes node(s); export SLURM_CONF=$CONF"
         return 0
     fi
@@ -119,14 +128,16 @@ start() {  # start NODES
         slurmd -f "$CONF" -N "$(node_name "$n")"
     done
     wait_for 30 "idle nodes" nodes_in idle
-    echo "cluster.sh: up with $nodes node(s) ($CPUS CPUs each, $TASK_PLUGIN); export SLURM_CONF=$CONF"
+    echo "cluster.sh: up with $nodes node(s) ($CPUS CPUs each, $TASK_PLUGIN);" \
+        "export SLURM_CONF=$CONF"
 }
 
 stop() {
     local pidfile program i
     [[ -d "$DIR" ]] || return 0
     if alive "$DIR/slurmctld.pid" slurmctld && alive "$DIR/munge/munged.pid" munged; then
-        scancel --user="$(id -un)" 2>/dev/null || true  # our private cluster: every job in it is ours
+        # Our private cluster: every job in it is ours.
+        scancel --user="$(id -un)" 2>/dev/null || true
         for ((i = 0; i < 100; i++)); do no_jobs && break; sleep 0.1; done
     fi
     # slurmd first (they tell slurmctld goodbye), munged last (everybody authenticates with it).
