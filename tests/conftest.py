@@ -3,6 +3,7 @@ timeout, and read what they did (their output and the probe records, see probe/)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -71,6 +72,43 @@ class Run:
         ]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc: torchrun starts its workers in sessions of
+    their own, so killing the launcher's process group would leave them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """A zombie is dead: read the state from /proc, not with kill -0."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL `pid`, its process group and every descendant; returns the pids killed."""
+    victims = [pid, *descendants(pid)]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    return victims
+
+
 def launch(
     command: list[str],
     *,
@@ -103,9 +141,15 @@ def launch(
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"timed out after {timeout} s\n" + Run(command, -9, stdout, stderr).describe())
+        killed = kill_tree(process.pid)
+        try:
+            stdout, stderr = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", "(the output pipes stayed open after the kill)"
+        pytest.fail(
+            f"timed out after {timeout} s; killed {len(killed)} process(es)\n"
+            + Run(command, -9, stdout, stderr).describe()
+        )
     run = Run(command, process.returncode, stdout, stderr)
     if check and run.returncode != 0:
         pytest.fail("command failed\n" + run.describe())

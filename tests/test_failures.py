@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import timm
 import torch
-from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
+from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, alive, launch
 from test_diff_contract import STEPS
 
 SNAPSHOT_SCRIPT = "part4_torchrun/train_snapshot.py"
@@ -248,6 +248,43 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
         f"the job ran on for {ended - raised[0]['time']:.0f} s"
     )
     assert not (tmp_path / "model.pt").exists(), "no rank carried on to the end"
+
+
+# ---- a hang ends at the test's timeout, and no process outlives it -----------------------------
+
+# Seconds: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
+# test's own timeout can end the run.
+HANG_TIMEOUT = 25
+
+
+@pytest.mark.parametrize("launcher", ["mp.spawn", "torchrun"])
+def test_a_hang_ends_at_the_timeout_with_no_process_left(
+    launcher: str, tmp_path: Path, probe_dir: Path
+) -> None:
+    """Rank 1 never reaches init_process_group, so rank 0 waits for it there. The launch's
+    timeout must end the launcher and every process it started (torchrun's workers run in
+    sessions of their own) within seconds, and the report must start with "timed out"."""
+    if launcher == "mp.spawn":
+        command = [PYTHON, "part3_ddp/step5_checkpoint.py", "--nprocs", "2"]
+    else:
+        command = [*TORCHRUN_2, "part4_torchrun/train.py"]
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        launch(
+            [*command, *TINY_RUN, "--checkpoint", str(tmp_path / "model.pt")],
+            timeout=HANG_TIMEOUT,
+            env={"DDP_PROBE_HANG_RANK": "1"},
+            probe_dir=probe_dir,
+        )
+    seconds = time.monotonic() - start
+    report = str(failure.value)
+    assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), report[:500]
+    assert seconds < HANG_TIMEOUT + 10, f"the launch took {seconds:.0f} s to end"
+    probe = Probe.read(probe_dir)
+    assert [e["rank"] for e in probe.events("hang")] == [1], report
+    assert [e["rank"] for e in probe.events("waiting")] == [0], "rank 0 must wait for rank 1"
+    survivors = [pid for pid in {r["pid"] for r in probe.records} if alive(pid)]
+    assert not survivors, f"processes left running after the timeout: {survivors}"
 
 
 # ---- bad input: one clear line, a non-zero exit, no traceback ----------------------------------

@@ -25,6 +25,7 @@ from conftest import (
     TRAIN_SAMPLES,
     Probe,
     Run,
+    alive,
     free_port,
     launch,
     missing,
@@ -258,14 +259,6 @@ def assert_trained(run: Run, probe: Probe, *, nodes: int, per_node: int, checkpo
 
 def tiny_run(checkpoint: Path, epochs: int = 1) -> list[str]:
     return [*TINY_RUN, "--epochs", str(epochs), "--checkpoint", str(checkpoint)]
-
-
-def alive(pid: int) -> bool:
-    """A zombie is dead: read the state from /proc, not with kill -0."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def train_job(cluster: Cluster, script: str, nodes: int, tmp_path: Path, probe_dir: Path) -> None:

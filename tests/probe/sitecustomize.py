@@ -122,6 +122,10 @@ if PROBE_DIR:
 # (RANK, else SLURM_PROCID) equals DDP_PROBE_FAIL_RANK exits with status 3 just before
 # init_process_group, as a rank that crashes at start-up would, after recording
 # - {"event": "fail", "rank", "time"}
+# and, to test that a hang ends within a test's timeout: the process whose rank (the `rank`
+# passed to init_process_group, else the launcher's) equals DDP_PROBE_HANG_RANK never reaches
+# init_process_group (it sleeps), as a rank stuck before a collective would, after recording
+# - {"event": "hang", "rank"}; every other process records {"event": "waiting", "rank"} there
 def _install_node_and_save() -> None:
     import socket
     import time
@@ -140,6 +144,12 @@ def _install_node_and_save() -> None:
         if launcher_rank is not None and launcher_rank == os.environ.get("DDP_PROBE_FAIL_RANK"):
             record({"event": "fail", "rank": int(launcher_rank), "time": time.time()})
             os._exit(3)
+        hang_rank = os.environ.get("DDP_PROBE_HANG_RANK")
+        if hang_rank is not None:
+            rank = str(kwargs.get("rank", launcher_rank))
+            record({"event": "hang" if rank == hang_rank else "waiting", "rank": int(rank)})
+            if rank == hang_rank:
+                time.sleep(3600)
         result = wrapped_init_pg(*args, **kwargs)
         node = (
             os.environ.get("SLURMD_NODENAME")
