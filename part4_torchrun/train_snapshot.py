@@ -159,10 +159,11 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 def save_snapshot(path: str, model, optimizer, scheduler, epochs_done: int) -> None:
     # step 7: all that the next epoch depends on, the random number generator included
     state = dict(
-        model=model.state_dict(), optimizer=optimizer.state_dict(), rng=torch.get_rng_state()
+        model=model.state_dict(), optimizer=optimizer.state_dict(), epochs_done=epochs_done
     )
-    state.update(scheduler=scheduler.state_dict(), epochs_done=epochs_done)
+    state.update(scheduler=scheduler.state_dict(), rng=torch.get_rng_state())
     # step 7: write a temporary file, then rename it: a crash never leaves half a snapshot
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 

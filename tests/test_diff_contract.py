@@ -98,7 +98,7 @@ STEPS = [
         "part4_torchrun/train_snapshot.py",
         "step 7",
         ("os.replace(", "set_rng_state(", "optimizer.load_state_dict(", "range(start_epoch"),
-        36,
+        37,
     ),
 ]
 TEACHING_SCRIPTS = sorted({s.before for s in STEPS} | {s.after for s in STEPS})
