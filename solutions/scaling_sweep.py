@@ -62,9 +62,13 @@ def command_for(launcher: str, processes: int) -> list[str]:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         return [*torchrun, f"--nproc_per_node={processes}", str(script)]
     # Inside a Slurm job: a job step of `processes` tasks (job_scaling.sbatch exports
-    # MASTER_ADDR and MASTER_PORT).
+    # MASTER_ADDR and MASTER_PORT), on as few nodes as hold them: a run that fits on one node
+    # does not talk across nodes, so each point of the curve measures one kind of link.
+    per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", processes))
+    nodes = f"--nodes={-(-processes // per_node)}"
     script = SOLUTIONS / "mnist_classify_ddp.py"
-    return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", sys.executable, str(script)]
+    srun = ["srun", f"--ntasks={processes}", nodes, "--kill-on-bad-exit=1"]
+    return [*srun, sys.executable, str(script)]
 
 
 def run_once(

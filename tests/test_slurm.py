@@ -416,6 +416,37 @@ ONE_PER_NODE = {
 }
 
 
+def test_scaling_job_on_two_nodes_keeps_small_runs_on_one_node(
+    slurm: Cluster,
+    mnist_root: Path,  # noqa: F811
+    tmp_path: Path,
+    probe_dir: Path,
+) -> None:
+    """job_scaling.sbatch on 2 nodes x 2 tasks runs 1, 2 and 4 processes: the 2-process run must
+    sit on one node (intra-node only), the 4-process run on both."""
+    cluster = slurm.start(2)
+    csv = tmp_path / "scaling.csv"
+    args = ["--", "--epochs", "1", "--workers", "0", "--checkpoint", str(tmp_path / "m.pt")]
+    job = submit(
+        cluster,
+        "solutions/job_scaling.sbatch",
+        args,
+        tmp_path,
+        probe_dir=probe_dir,
+        env={"DATA_DIR": str(mnist_root), "CSV": str(csv)},
+        sbatch_options=("--nodes=2",),
+    )
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+    probe = Probe.read(probe_dir)
+    world_of = {e["pid"]: e["world_size"] for e in probe.events("init")}
+    nodes_of: dict[int, set[str]] = {}
+    for event in probe.events("node"):
+        nodes_of.setdefault(world_of[event["pid"]], set()).add(event["node"])
+    assert {world: len(nodes) for world, nodes in nodes_of.items()} == {1: 1, 2: 1, 4: 2}, nodes_of
+    rows = csv.read_text().splitlines()
+    assert [row.split(",")[0] for row in rows[1:]] == ["1", "2", "4"], rows
+
+
 @pytest.mark.parametrize("launcher", ONE_PER_NODE)
 def test_a_failing_rank_ends_the_whole_job(
     slurm: Cluster, launcher: str, tmp_path: Path, probe_dir: Path
