@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,25 @@ class Probe:
             if r["rank"] == rank and r["loader"] == loader and r["pass"] == epoch
             for i in r["indices"]
         ]
+
+    def survivors(self, grace: float = 5.0) -> list[int]:
+        """This run's processes still running after `grace` seconds. A SIGKILLed process takes a
+        moment to die, and a pid may be reused by someone else meanwhile: a process counts as
+        ours only while its environment still names this probe directory."""
+        ours = f"DDP_PROBE_DIR={self.directory}".encode()
+        deadline = time.monotonic() + grace
+        while True:
+            left = []
+            for pid in sorted({r["pid"] for r in self.records}):
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if alive(pid) and ours in environ:
+                    left.append(pid)
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
 
     def params(self, pid: int) -> list:
         import torch

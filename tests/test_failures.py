@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import timm
 import torch
-from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, alive, launch
+from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
 from test_diff_contract import STEPS
 
 SNAPSHOT_SCRIPT = "part4_torchrun/train_snapshot.py"
@@ -283,7 +283,7 @@ def test_a_hang_ends_at_the_timeout_with_no_process_left(
     probe = Probe.read(probe_dir)
     assert [e["rank"] for e in probe.events("hang")] == [1], report
     assert [e["rank"] for e in probe.events("waiting")] == [0], "rank 0 must wait for rank 1"
-    survivors = [pid for pid in {r["pid"] for r in probe.records} if alive(pid)]
+    survivors = probe.survivors()
     assert not survivors, f"processes left running after the timeout: {survivors}"
 
 

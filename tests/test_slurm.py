@@ -25,7 +25,6 @@ from conftest import (
     TRAIN_SAMPLES,
     Probe,
     Run,
-    alive,
     free_port,
     launch,
     missing,
@@ -477,7 +476,7 @@ def test_a_failing_rank_ends_the_whole_job(
         f"the job ran on for {seconds:.0f} s after rank {world - 1} failed"
     )
     assert not probe.events("final"), "no rank may finish training without the failed one"
-    survivors = [pid for pid in {r["pid"] for r in probe.records} if alive(pid)]
+    survivors = probe.survivors()
     assert not survivors, f"processes of the failed job still running: {survivors}"
 
 
