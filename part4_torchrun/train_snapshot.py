@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from itertools import islice
 
 import timm
@@ -17,6 +18,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision import transforms
 from tqdm import tqdm
 
@@ -36,10 +38,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=0, help="end each epoch early (0: never)")
     parser.add_argument("--checkpoint", default="checkpoint.pt", help="'' to skip")
     parser.add_argument("--snapshot", default="snapshot.pt", help="resume from, save to")  # step 7
+    parser.add_argument("--snapshot-every", type=int, default=100, help="steps")  # step 7
+    parser.add_argument("--workers", type=int, default=0, help="loader processes")  # step 7
     args = parser.parse_args()
     # Bad input ends here with one line, not later as a traceback (in every process).
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
         parser.error("--epochs, --batch-size and --fake-size must be at least 1")
+    if args.snapshot_every < 1:  # step 7
+        parser.error("--snapshot-every must be at least 1")
     if not timm.is_model(args.model):
         parser.error(f"unknown --model {args.model!r}; timm.list_models() names them all")
     return args
@@ -99,20 +105,31 @@ def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
     return train, test
 
 
+class SavesItsRandomState(Subset):
+    # step 7: random crops and flips draw from the torch RNG of the process that loads the data
+    # (the main one or a loader worker); StatefulDataLoader saves and restores it in each.
+    def state_dict(self) -> dict:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["rng"])
+
+
 def build_model(name: str) -> torch.nn.Module:
     # An ImageNet model from timm, with 10 outputs. Its stem shrinks 32x32 images 4x at once:
     # fast, and less accurate than a CIFAR-specific stem would be.
     return timm.create_model(name, num_classes=10)
 
 
-def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: bool):
+def train_one_epoch(model, loader, optimizer, device, steps: range, show_bar: bool, save):  # step 7
     """Returns (summed loss, correct predictions, images) as one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    steps = min(len(loader), max_steps or len(loader))
     # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    bar = tqdm(islice(loader, steps), total=steps, leave=False, disable=None if show_bar else True)
-    for images, labels in bar:
+    # step 7: numbered from where the epoch goes on; zip stops after the last of `steps`
+    batches = zip(steps, loader, strict=False)
+    bar = tqdm(batches, total=len(steps), leave=False, disable=None if show_bar else True)
+    for step, (images, labels) in bar:  # step 7
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
@@ -123,6 +140,9 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
+        # step 7: the epoch's last step is saved after the evaluation
+        if save and step + 1 < steps.stop:
+            save(step + 1)
     return totals
 
 
@@ -156,29 +176,31 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
     log(f"saved checkpoint {path}")
 
 
-def save_snapshot(path: str, model, optimizer, scheduler, epochs_done: int) -> None:
-    # step 7: all that the next epoch depends on, the random number generator included
-    state = dict(
-        model=model.state_dict(), optimizer=optimizer.state_dict(), epochs_done=epochs_done
-    )
-    state.update(scheduler=scheduler.state_dict(), rng=torch.get_rng_state())
+def save_snapshot(path: str, state: dict, epoch: int, step: int, rng, every: int = 1) -> None:
+    # step 7: within an epoch, a snapshot every `every` steps
+    if step % every:
+        return
+    # step 7: each object's state, where the run stands, and the RNG the epoch started from
+    snapshot = {name: obj.state_dict() for name, obj in state.items()}
+    snapshot.update(epoch=epoch, step=step, rng=rng)
     # step 7: write a temporary file, then rename it: a crash never leaves half a snapshot
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(state, path + ".tmp")
+    torch.save(snapshot, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
-def load_snapshot(path: str, model, optimizer, scheduler) -> int:
-    # step 7: returns the epochs already done: 0 without a snapshot
+def load_snapshot(path: str, state: dict) -> tuple[int, int]:
+    # step 7: returns the epoch to go on with and its steps already done: (0, 0) without one
     if not os.path.exists(path):
-        return 0
+        return 0, 0
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        return state["epochs_done"]
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        for name, obj in state.items():
+            # At step 0 the loader starts the epoch afresh.
+            if name != "loader" or snapshot["step"]:
+                obj.load_state_dict(snapshot[name])
+        torch.set_rng_state(snapshot["rng"])
+        return snapshot["epoch"], snapshot["step"]
     except Exception as error:
         sys.exit(f"error: cannot resume from {path} ({type(error).__name__}); move it away")
 
@@ -201,7 +223,11 @@ def main() -> None:  # step 6
     # step 3: each rank trains on its own shard, and scores every world_size-th test image
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
-    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
+    # step 7: a loader whose position and random state go into the snapshot
+    train_set = SavesItsRandomState(train_set, range(len(train_set)))
+    train_loader = StatefulDataLoader(
+        train_set, args.batch_size, sampler=sampler, num_workers=args.workers
+    )
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)
@@ -209,15 +235,25 @@ def main() -> None:  # step 6
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    # step 7: every rank loads the same snapshot and carries on after its last epoch
-    start_epoch = load_snapshot(args.snapshot, model.module, optimizer, scheduler)
-    if start_epoch and rank == 0:
-        log(f"resumed from {args.snapshot}: {start_epoch} of {args.epochs} epochs already done")
+    # step 7: what a snapshot holds; each has a state_dict() and a load_state_dict()
+    state = dict(model=model.module, optimizer=optimizer, scheduler=scheduler, loader=train_loader)
+    # step 7: every rank loads the same snapshot and carries on from the step after it
+    start_epoch, first_step = load_snapshot(args.snapshot, state)
+    if (start_epoch or first_step) and rank == 0:
+        log(f"resumed from {args.snapshot}: epoch {start_epoch + 1}, {first_step} steps done")
+    steps_per_epoch = min(len(train_loader), args.max_steps or len(train_loader))  # step 7
 
     for epoch in range(start_epoch, args.epochs):  # step 7
         sampler.set_epoch(epoch)  # step 3: a new shuffle every epoch, else epoch 0's order
+        # step 7: the loader draws from this RNG at the epoch's start; a snapshot keeps it
+        rng = torch.get_rng_state()
+        steps, save = range(first_step, steps_per_epoch), None  # step 7
+        if rank == 0:  # step 7: one writer, every --snapshot-every steps
+            every = args.snapshot_every
+            save = partial(save_snapshot, args.snapshot, state, epoch, rng=rng, every=every)
         start = time.perf_counter()
-        totals = train_one_epoch(model, train_loader, optimizer, device, args.max_steps, rank == 0)
+        totals = train_one_epoch(model, train_loader, optimizer, device, steps, rank == 0, save)
+        first_step = 0  # step 7
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks
         # .tolist() waits until the device has finished the epoch: only then read the clock.
         train = totals.tolist()
@@ -228,7 +264,7 @@ def main() -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-            save_snapshot(args.snapshot, model.module, optimizer, scheduler, epoch + 1)  # step 7
+            save_snapshot(args.snapshot, state, epoch + 1, 0, torch.get_rng_state())  # step 7
 
     if args.checkpoint and rank == 0:  # step 1: one writer
         # step 5: save the model inside DDP's wrapper: keys without the "module." prefix

@@ -97,14 +97,23 @@ STEPS = [
         "part4_torchrun/train.py",
         "part4_torchrun/train_snapshot.py",
         "step 7",
-        ("os.replace(", "set_rng_state(", "optimizer.load_state_dict(", "range(start_epoch"),
-        37,
+        (
+            "os.replace(",
+            "StatefulDataLoader(",
+            "set_rng_state(",
+            "load_state_dict(",
+            "range(start_epoch",
+            "range(first_step",
+        ),
+        85,
     ),
 ]
 TEACHING_SCRIPTS = sorted({s.before for s in STEPS} | {s.after for s in STEPS})
 SPINE = ["part1_single/train.py", *[s.after for s in STEPS[1:7]]]
 MAX_LINES = 210  # per spine script: the longest has 210
-MAX_LINES_AFTER_SPINE = 245  # the speed and snapshot steps: part 4 plus their lesson
+MAX_LINES_AFTER_SPINE = 245  # the speed step: part 4 plus its lesson
+# Step 7 resumes from any step, loader workers included: its lesson is the longest.
+MAX_LINES_SNAPSHOT = 280
 MAX_FLAGS = 11  # the mp.spawn steps: part 1's ten and --nprocs
 MAX_WIDTH = 100
 
@@ -168,6 +177,7 @@ def test_teaching_scripts_are_standalone_and_short(script: str) -> None:
             assert name.split(".")[0] not in repo_packages, f"{script} imports {name} from the repo"
     lines = text.splitlines()
     limit = MAX_LINES if script in SPINE else MAX_LINES_AFTER_SPINE
+    limit = MAX_LINES_SNAPSHOT if script.endswith("train_snapshot.py") else limit
     assert len(lines) <= limit, f"{script}: {len(lines)} lines, keep it to {limit}"
     assert max(map(len, lines)) <= MAX_WIDTH, f"{script}: a line over {MAX_WIDTH} characters"
     if script in SPINE:

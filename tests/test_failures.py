@@ -35,7 +35,11 @@ FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # 2 ranks, i.e. 2 and 1 test batches: evaluation must not need the ranks in step.
 EPOCHS = 3
 RUN = [*TINY_RUN, "--fake-size", "165", "--epochs", str(EPOCHS)]
-KILL_AT = (1, 1, 2)  # rank 1, second epoch (pass 1), third batch: mid-epoch
+# Rank 1, second epoch (pass 1), fourth batch: mid-epoch, after the restarted run's snapshot at
+# step 2 of that epoch (rank 1 could not draw batch 3 before rank 0 had saved it) and before the
+# one at step 4.
+KILL_AT = (1, 1, 3)
+SNAPSHOT_EVERY = ["--snapshot-every", "2"]
 TORCHRUN_2 = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 
 
@@ -71,11 +75,13 @@ def differing_tensors(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def fresh_state(module: ModuleType, name: str = "test_resnet") -> tuple:
-    """A model built by the script, with an optimizer and scheduler: what a snapshot restores."""
+def fresh_state(module: ModuleType, name: str = "test_resnet") -> dict:
+    """A model built by the script, with an optimizer and scheduler: what a snapshot restores
+    (the loader aside)."""
     model = module.build_model(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3)
+    return dict(model=model, optimizer=optimizer, scheduler=scheduler)
 
 
 # ---- torchrun restarts a killed worker; the run resumes from the snapshot, bit-exactly ----------
@@ -94,12 +100,16 @@ def restarted_and_reference(
             [*TORCHRUN_2, "--max-restarts=1"],
         ),
     ]:
+        # The reference runs with the defaults (no snapshot within an epoch): saving snapshots
+        # must not change the training either.
+        flags = SNAPSHOT_EVERY if name == "restarted" else []
         out = tmp_path_factory.mktemp(name)
         (out / "probe").mkdir()
         command = [
             *launcher,
             SNAPSHOT_SCRIPT,
             *RUN,
+            *flags,
             "--checkpoint",
             str(out / "model.pt"),
             "--snapshot",
@@ -129,17 +139,21 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
     assert (
         "Worker group FAILED. 1/1 attempts left; will restart worker group" in run.stderr
     )  # LOGLEVEL=INFO
-    assert f"resumed from {out / 'snapshot.pt'}: 1 of {EPOCHS} epochs already done" in run.stdout, (
+    # Resumed mid-epoch: from the snapshot at step 2 of epoch 2, not from the epoch's start.
+    assert f"resumed from {out / 'snapshot.pt'}: epoch 2, 2 steps done" in run.stdout, (
         run.describe()
     )
     epochs = [int(e["epoch"]) for e in run.epochs()]
     assert epochs == list(range(1, EPOCHS + 1)), (
         f"each epoch reported once, none repeated: {epochs}"
     )
-    metrics = [{k: e[k] for k in ("train_loss", "train_acc", "test_acc")} for e in run.epochs()]
-    assert metrics == [
-        {k: e[k] for k in ("train_loss", "train_acc", "test_acc")} for e in reference.epochs()
-    ]
+    # The resumed epoch's line counts the steps trained after the resume: 4 of 6 per rank
+    # (83 images each: batches of 16, 16, 16, 16, 16 and 3).
+    assert [e["train_samples"] for e in run.epochs()] == [166, 102, 166], run.stdout
+    same = [e["test_acc"] for e in run.epochs()], [e["test_acc"] for e in reference.epochs()]
+    assert same[0] == same[1]
+    for epoch in (0, 2):
+        assert run.epochs()[epoch]["train_loss"] == reference.epochs()[epoch]["train_loss"]
     # Bit for bit: the final weights and buffers, and the last snapshot (momentum included).
     final, expected = (torch.load(d / "model.pt", weights_only=True) for d in (out, reference_out))
     assert not differing_tensors(final, expected), (
@@ -148,7 +162,7 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
     snapshot, expected = (
         torch.load(d / "snapshot.pt", weights_only=True) for d in (out, reference_out)
     )
-    assert snapshot["epochs_done"] == expected["epochs_done"] == EPOCHS
+    assert (snapshot["epoch"], snapshot["step"]) == (expected["epoch"], expected["step"]) == (3, 0)
     assert torch.equal(snapshot["rng"], expected["rng"])
     for key, value in snapshot["optimizer"]["state"].items():
         assert torch.equal(
@@ -164,6 +178,36 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
         assert all(
             torch.equal(a, b) for a, b in zip(probe.params(pid), model.parameters(), strict=True)
         )
+
+
+def test_resume_with_loader_workers_is_exact(tmp_path: Path) -> None:
+    """Loader workers draw the random crops and flips in processes of their own; the snapshot
+    keeps each worker's random state. One process (python), two workers: killed in epoch 2
+    while the main process hands out batch indices ahead of the training (after the snapshot at
+    step 2), started again by hand, it must end with the weights of a run never stopped."""
+    flags = [*TINY_RUN, "--fake-size", "165", "--epochs", "3", "--workers", "2", *SNAPSHOT_EVERY]
+    checkpoints = {}
+    for name, attempts in [("reference", [{}]), ("killed", [{"DDP_PROBE_KILL_AT": "0:1:7"}, {}])]:
+        out = tmp_path / name
+        (out / "probe").mkdir(parents=True)
+        runs = []
+        for attempt, env in enumerate(attempts):
+            command = [PYTHON, SNAPSHOT_SCRIPT, *flags, "--snapshot", str(out / "snapshot.pt")]
+            command += ["--checkpoint", str(out / "model.pt")]
+            env = {**SHORT_TIMEOUT, **env, "DDP_PROBE_ATTEMPT": str(attempt)}
+            runs.append(
+                launch(
+                    command, timeout=LAUNCH_TIMEOUT, env=env, probe_dir=out / "probe", check=False
+                )
+            )
+        if name == "killed":
+            assert runs[0].returncode == -9, runs[0].describe()
+            assert "resumed from" in runs[1].stdout and "epoch 2, 2 steps done" in runs[1].stdout, (
+                runs[1].describe()
+            )
+        assert runs[-1].returncode == 0, runs[-1].describe()
+        checkpoints[name] = torch.load(out / "model.pt", weights_only=True)
+    assert not differing_tensors(checkpoints["killed"], checkpoints["reference"])
 
 
 @pytest.mark.slow  # shares the runs above
@@ -219,7 +263,7 @@ def test_crash_before_rename_keeps_the_previous_snapshot(tmp_path: Path, probe_d
     assert [int(e["epoch"]) for e in run.epochs()] == [1, 2]
     # The script's own loader resumes from the first snapshot: epoch 2 will run again.
     module = import_script(SNAPSHOT_SCRIPT)
-    assert module.load_snapshot(str(snapshot), *fresh_state(module)) == 1
+    assert module.load_snapshot(str(snapshot), fresh_state(module)) == (1, 0)
 
 
 # ---- a rank that raises ends the whole job -----------------------------------------------------
@@ -371,10 +415,12 @@ def test_bad_snapshots_are_named_and_left_untouched(
     snapshot_script: ModuleType, tmp_path: Path, capsys
 ) -> None:
     good = tmp_path / "good.pt"
-    snapshot_script.save_snapshot(str(good), *fresh_state(snapshot_script), 1)
+    rng = torch.get_rng_state()
+    snapshot_script.save_snapshot(str(good), fresh_state(snapshot_script), 1, 0, rng)
     capsys.readouterr()
     other_model = tmp_path / "other_model.pt"
-    snapshot_script.save_snapshot(str(other_model), *fresh_state(snapshot_script, "resnet10t"), 1)
+    other = fresh_state(snapshot_script, "resnet10t")
+    snapshot_script.save_snapshot(str(other_model), other, 1, 0, rng)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     garbage = tmp_path / "garbage.pt"
@@ -384,12 +430,11 @@ def test_bad_snapshots_are_named_and_left_untouched(
     for path in (other_model, truncated, garbage, directory):
         before = path.read_bytes() if path.is_file() else None
         with pytest.raises(SystemExit) as exit:
-            snapshot_script.load_snapshot(str(path), *fresh_state(snapshot_script))
+            snapshot_script.load_snapshot(str(path), fresh_state(snapshot_script))
         assert_one_clear_line(
             exit_message(exit.value), f"cannot resume from {path}", "move it away"
         )
         assert before is None or path.read_bytes() == before, "a bad snapshot is left as it was"
-    assert snapshot_script.load_snapshot(str(good), *fresh_state(snapshot_script)) == 1
-    assert (
-        snapshot_script.load_snapshot(str(tmp_path / "none.pt"), *fresh_state(snapshot_script)) == 0
-    )
+    assert snapshot_script.load_snapshot(str(good), fresh_state(snapshot_script)) == (1, 0)
+    none = str(tmp_path / "none.pt")
+    assert snapshot_script.load_snapshot(none, fresh_state(snapshot_script)) == (0, 0)

@@ -98,3 +98,23 @@ def test_command_flags_exist(readme: Path) -> None:
         assert not unknown, (
             f"{readme}: `{command}` passes {sorted(unknown)}, which {path.name} does not define"
         )
+
+
+@pytest.mark.parametrize("readme", README_FILES, ids=str)
+def test_diff_excerpts_match_the_scripts(readme: Path) -> None:
+    """Each line of a ```diff excerpt is a line of the folder's scripts: an added line of one
+    of them, or a removed line of the script before it. A README that walks an old diff fails."""
+    text = (REPO / readme).read_text()
+    blocks = re.findall(r"^```diff\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    scripts = {
+        line.rstrip()
+        for path in [*(REPO / readme).parent.glob("*.py"), *REPO.glob("part*/**/*.py")]
+        for line in path.read_text().splitlines()
+    }
+    stale = [
+        line
+        for block in blocks
+        for line in block.splitlines()
+        if line[:1] in "+-" and line[1:].rstrip() and line[1:].rstrip() not in scripts
+    ]
+    assert not stale, f"{readme}: diff lines found in no script:\n" + "\n".join(stale)

@@ -17,6 +17,10 @@ import os
 PROBE_DIR = os.environ.get("DDP_PROBE_DIR")
 
 
+def inject_fault(loader, pass_number: int, batch_number: int) -> None:
+    """Replaced by _install_faults below when a test asks for a fault."""
+
+
 def _install() -> None:
     import torch
     import torch.distributed as dist
@@ -76,23 +80,28 @@ def _install() -> None:
 
     data.DataLoader.__init__ = loader_init
 
+    def on_batch(loader, pass_number: int, batch_number: int, batch: list) -> None:
+        if loader is None:
+            return
+        record(
+            {
+                "event": "batch",
+                "loader": loader,
+                "pass": pass_number,
+                "rank": current_rank(),
+                "indices": [int(i) for i in batch],
+            }
+        )
+        inject_fault(loader, pass_number, batch_number)
+
     original_batch_iter = data.BatchSampler.__iter__
 
     def batch_iter(self):
         loader = getattr(self, "_probe_loader", None)
         pass_number = getattr(self, "_probe_pass", 0)
         self._probe_pass = pass_number + 1
-        for batch in original_batch_iter(self):
-            if loader is not None:
-                record(
-                    {
-                        "event": "batch",
-                        "loader": loader,
-                        "pass": pass_number,
-                        "rank": current_rank(),
-                        "indices": [int(i) for i in batch],
-                    }
-                )
+        for batch_number, batch in enumerate(original_batch_iter(self)):
+            on_batch(loader, pass_number, batch_number, batch)
             yield batch
 
     data.BatchSampler.__iter__ = batch_iter
@@ -106,6 +115,46 @@ def _install() -> None:
             optimizers.append(self)
 
     torch.optim.Optimizer.__init__ = optimizer_init
+
+    # torchdata's StatefulDataLoader (step 7) has a batch sampler of its own whose iterator
+    # saves its position; a resumed one skips the batches already done without drawing them,
+    # so its batch numbers count from the epoch's start.
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader import sampler as stateful
+    except ImportError:
+        return
+    original_stateful_init = StatefulDataLoader.__init__
+
+    def stateful_init(self, *args, **kwargs):
+        original_stateful_init(self, *args, **kwargs)
+        if self.batch_sampler is not None:
+            self.batch_sampler._probe_loader = loader_count[0]
+            self.batch_sampler._probe_pass = 0
+        loader_count[0] += 1
+
+    StatefulDataLoader.__init__ = stateful_init
+    original_stateful_iter = stateful.BatchSampler.__iter__
+
+    def stateful_iter(self):
+        iterator = original_stateful_iter(self)
+        # The pass is the DistributedSampler's epoch: the loader with workers makes more than
+        # one iterator per pass.
+        pass_number = getattr(self.sampler, "epoch", 0)
+        iterator._probe = (getattr(self, "_probe_loader", None), pass_number)
+        return iterator
+
+    stateful.BatchSampler.__iter__ = stateful_iter
+    original_next = stateful._BatchSamplerIterator.__next__
+
+    def stateful_next(self):
+        batch_number = self.samples_yielded // self.batch_size
+        batch = original_next(self)
+        loader, pass_number = getattr(self, "_probe", (None, 0))
+        on_batch(loader, pass_number, batch_number, batch)
+        return batch
+
+    stateful._BatchSamplerIterator.__next__ = stateful_next
 
 
 if PROBE_DIR:
@@ -186,7 +235,8 @@ if PROBE_DIR:
 # Appended for the failure tests (tests/test_failures.py): faults injected at a chosen moment.
 # DDP_PROBE_KILL_AT / DDP_PROBE_RAISE_AT = "rank:pass:batch" act when that rank's training loader
 # (loader 0) draws that batch of that pass: KILL sends SIGKILL to the process itself, only in
-# torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0 or unset), so a restarted worker runs on;
+# torchrun's first attempt (TORCHELASTIC_RESTART_COUNT, else DDP_PROBE_ATTEMPT, 0 or unset), so a
+# restarted worker runs on;
 # RAISE raises a RuntimeError. DDP_PROBE_CRASH_AT_REPLACE = N kills the process (SIGKILL) at its
 # N-th os.replace call, after the temporary file was written and before it is renamed.
 # Each records {"event": "killed" | "raised" | "crashed", "rank", "time"} first.
@@ -195,7 +245,6 @@ def _install_faults() -> None:
     import time
 
     import torch.distributed as dist
-    import torch.utils.data as data
 
     def record(event: dict) -> None:
         with open(os.path.join(PROBE_DIR, f"{os.getpid()}.jsonl"), "a") as out:
@@ -215,27 +264,23 @@ def _install_faults() -> None:
         return tuple(int(part) for part in value.split(":")) if value else None
 
     kill_at, raise_at = parse("DDP_PROBE_KILL_AT"), parse("DDP_PROBE_RAISE_AT")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    probed_iter = data.BatchSampler.__iter__
+    first_attempt = (
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("DDP_PROBE_ATTEMPT", "0"))
+        == "0"
+    )
 
-    def batch_iter(self):
-        where = (
-            getattr(self, "_probe_pass", 0),
-        )  # read before the probed iterator counts this pass
-        for batch_number, batch in enumerate(probed_iter(self)):
-            if getattr(self, "_probe_loader", None) == 0 and dist.is_initialized():
-                now = (dist.get_rank(), *where, batch_number)
-                if now == kill_at and first_attempt:
-                    record({"event": "killed"})
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if now == raise_at:
-                    record({"event": "raised"})
-                    raise RuntimeError(
-                        f"probe: rank {now[0]} fails on purpose at batch {batch_number}"
-                    )
-            yield batch
+    def inject(loader, pass_number: int, batch_number: int) -> None:
+        if loader == 0 and dist.is_initialized():
+            now = (dist.get_rank(), pass_number, batch_number)
+            if now == kill_at and first_attempt:
+                record({"event": "killed"})
+                os.kill(os.getpid(), signal.SIGKILL)
+            if now == raise_at:
+                record({"event": "raised"})
+                raise RuntimeError(f"probe: rank {now[0]} fails on purpose at batch {batch_number}")
 
-    data.BatchSampler.__iter__ = batch_iter
+    global inject_fault
+    inject_fault = inject
 
     crash_at, replaces = int(os.environ.get("DDP_PROBE_CRASH_AT_REPLACE", 0)), [0]
     original_replace = os.replace
