@@ -185,7 +185,8 @@ def test_resume_with_loader_workers_is_exact(tmp_path: Path) -> None:
     keeps each worker's random state. One process (python), two workers: killed in epoch 2
     while the main process hands out batch indices ahead of the training (after the snapshot at
     step 2), started again by hand, it must end with the weights of a run never stopped."""
-    flags = [*TINY_RUN, "--fake-size", "165", "--epochs", "3", "--workers", "2", *SNAPSHOT_EVERY]
+    flags = [*TINY_RUN, "--fake-size", "165", "--epochs", "3", "--max-steps", "9"]
+    flags += ["--workers", "2", *SNAPSHOT_EVERY]
     checkpoints = {}
     for name, attempts in [("reference", [{}]), ("killed", [{"DDP_PROBE_KILL_AT": "0:1:7"}, {}])]:
         out = tmp_path / name
@@ -194,7 +195,13 @@ def test_resume_with_loader_workers_is_exact(tmp_path: Path) -> None:
         for attempt, env in enumerate(attempts):
             command = [PYTHON, SNAPSHOT_SCRIPT, *flags, "--snapshot", str(out / "snapshot.pt")]
             command += ["--checkpoint", str(out / "model.pt")]
-            env = {**SHORT_TIMEOUT, **env, "DDP_PROBE_ATTEMPT": str(attempt)}
+            # One thread: the main process and its two workers share the cores with other tests.
+            env = {
+                **SHORT_TIMEOUT,
+                **env,
+                "DDP_PROBE_ATTEMPT": str(attempt),
+                "OMP_NUM_THREADS": "1",
+            }
             runs.append(
                 launch(
                     command, timeout=LAUNCH_TIMEOUT, env=env, probe_dir=out / "probe", check=False
@@ -298,7 +305,7 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 
 # Seconds: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
 # test's own timeout can end the run.
-HANG_TIMEOUT = 25
+HANG_TIMEOUT = 20
 
 
 @pytest.mark.parametrize("launcher", ["mp.spawn", "torchrun"])
