@@ -71,14 +71,19 @@ def _install() -> None:
     original_loader_init = data.DataLoader.__init__
     loader_count = [0]
 
-    def loader_init(self, *args, **kwargs):
-        original_loader_init(self, *args, **kwargs)
-        if self.batch_sampler is not None:  # tag the batch sampler with the loader's creation order
-            self.batch_sampler._probe_loader = loader_count[0]
-            self.batch_sampler._probe_pass = 0
-        loader_count[0] += 1
+    def tagging(original_init):
+        """An __init__ that tags the loader's batch sampler with the loader's creation order."""
 
-    data.DataLoader.__init__ = loader_init
+        def loader_init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            if self.batch_sampler is not None:
+                self.batch_sampler._probe_loader = loader_count[0]
+                self.batch_sampler._probe_pass = 0
+            loader_count[0] += 1
+
+        return loader_init
+
+    data.DataLoader.__init__ = tagging(original_loader_init)
 
     def on_batch(loader, pass_number: int, batch_number: int, batch: list) -> None:
         if loader is None:
@@ -124,16 +129,7 @@ def _install() -> None:
         from torchdata.stateful_dataloader import sampler as stateful
     except ImportError:
         return
-    original_stateful_init = StatefulDataLoader.__init__
-
-    def stateful_init(self, *args, **kwargs):
-        original_stateful_init(self, *args, **kwargs)
-        if self.batch_sampler is not None:
-            self.batch_sampler._probe_loader = loader_count[0]
-            self.batch_sampler._probe_pass = 0
-        loader_count[0] += 1
-
-    StatefulDataLoader.__init__ = stateful_init
+    StatefulDataLoader.__init__ = tagging(StatefulDataLoader.__init__)
     original_stateful_iter = stateful.BatchSampler.__iter__
 
     def stateful_iter(self):
