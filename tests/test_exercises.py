@@ -64,11 +64,25 @@ for ((task = 0; task < NTASKS; task++)); do
     pids+=($!)
     echo "fake-srun: task $task is pid $!" >&2
 done
-for _ in "${pids[@]}"; do
-    wait -n && continue
-    status=$?
-    kill "${pids[@]}" 2>/dev/null
-    exit "$status"
+# Each task is waited for by its pid once it has ended: `wait -n` can miss a task that ended
+# before it was called and then report 127 for a job that succeeded.
+left=("${pids[@]}")
+while ((${#left[@]})); do
+    running=()
+    for pid in "${left[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then
+            running+=("$pid")
+            continue
+        fi
+        wait "$pid"
+        status=$?
+        if ((status)); then
+            kill "${pids[@]}" 2>/dev/null
+            exit "$status"
+        fi
+    done
+    left=("${running[@]}")
+    sleep 0.2
 done
 """
 
