@@ -58,6 +58,7 @@ class Run:
     returncode: int
     stdout: str
     stderr: str
+    timed_out: bool = False
 
     def describe(self) -> str:
         return (
@@ -118,8 +119,10 @@ def launch(
     probe_dir: Path | None = None,
     cwd: Path = REPO,
     check: bool = True,
+    fail_on_timeout: bool = True,
 ) -> Run:
-    """Run a command in its own process group; on timeout kill the whole group and fail."""
+    """Run a command in its own process group; on timeout kill the whole group and everything
+    below it, then fail (or, with fail_on_timeout=False, return a Run with timed_out set)."""
     full_env = {
         k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"
     }  # let the scripts choose
@@ -147,6 +150,8 @@ def launch(
             stdout, stderr = process.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             stdout, stderr = "", "(the output pipes stayed open after the kill)"
+        if not fail_on_timeout:
+            return Run(command, -9, stdout, stderr, timed_out=True)
         pytest.fail(
             f"timed out after {timeout} s; killed {len(killed)} process(es)\n"
             + Run(command, -9, stdout, stderr).describe()

@@ -5,6 +5,7 @@ per test session, so the scripts' `torchvision.datasets.MNIST(root)` code is wha
 from __future__ import annotations
 
 import importlib.util
+import struct
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,39 @@ TRAIN_DIGITS, TEST_DIGITS = get_mnist_subset.TRAIN_DIGITS, get_mnist_subset.TEST
 def mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A --data-dir holding the real-digit split, written once per session."""
     return get_mnist_subset.write_mnist(tmp_path_factory.mktemp("mnist"))
+
+
+def first_digits(root: Path, destination: Path, train: int, test: int) -> Path:
+    """A --data-dir with the first `train` training and `test` test digits of `root`'s."""
+    raw = destination / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", train), ("t10k", test)):
+        for kind in ("images-idx3", "labels-idx1"):
+            name = f"{prefix}-{kind}-ubyte"
+            data = (root / "MNIST" / "raw" / name).read_bytes()
+            # IDX: 4 bytes (the last: number of dimensions), one 4-byte size per dimension, data
+            dims = data[3]
+            sizes = struct.unpack(f">{dims}I", data[4 : 4 + 4 * dims])
+            item = 1
+            for size in sizes[1:]:
+                item *= size
+            header = data[:4] + struct.pack(f">{dims}I", count, *sizes[1:])
+            (raw / name).write_bytes(header + data[4 + 4 * dims : 4 + 4 * dims + count * item])
+    return destination
+
+
+@pytest.fixture(scope="session")
+def grading_root(mnist_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The autograder's data: every training digit, and one test digit fewer, so 2 ranks cannot
+    split the test set evenly and a sampler that pads it shows."""
+    return first_digits(mnist_root, tmp_path_factory.mktemp("graded"), TRAIN_DIGITS, GRADED_TEST)
+
+
+@pytest.fixture(scope="session")
+def small_root(mnist_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Few digits, for runs that only need to show a mistake, not to learn."""
+    return first_digits(mnist_root, tmp_path_factory.mktemp("small"), SMALL_TRAIN, SMALL_TEST)
+
+
+GRADED_TEST = TEST_DIGITS - 1
+SMALL_TRAIN, SMALL_TEST = 400, 99

@@ -61,7 +61,6 @@ SOLUTION_JOBS = [
     ("solutions/job_serial.sbatch", 1, []),
     ("solutions/job_ddp_srun.sbatch", 2, []),
     ("solutions/job_ddp_torchrun.sbatch", 2, []),
-    ("solutions/job_scaling.sbatch", 2, ["--"]),
 ]
 
 
@@ -305,14 +304,17 @@ def test_solution_job_script_trains_on_mnist(
         env={"DATA_DIR": str(mnist_root), "CSV": str(csv)},
     )
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+    check_training_runs(job, Probe.read(probe_dir), [processes], serial="serial" in script)
+
+
+def check_training_runs(job: Job, probe: Probe, runs: list[int], serial: bool = False) -> None:
+    """One epoch line per training run with global counts; every process in a world of its
+    run's size; one checkpoint per run, by rank 0 (no process group, no rank: serial)."""
     epochs = job.run.epochs()
-    runs = [1, 2] if "scaling" in script else [processes]
     assert len(epochs) == len(runs), f"one epoch line per training run\n{job.describe()}"
     assert all(
         (e["train_samples"], e["test_samples"]) == (TRAIN_DIGITS, TEST_DIGITS) for e in epochs
     ), job.describe()
-    probe = Probe.read(probe_dir)
-    serial = "serial" in script  # no process group: no rank either
     worlds = sorted(e["world_size"] for e in probe.events("init"))
     assert worlds == ([] if serial else [n for n in runs for _ in range(n)]), (
         f"world size of every process: {worlds}"
@@ -321,11 +323,6 @@ def test_solution_job_script_trains_on_mnist(
     assert saves == [None if serial else 0] * len(runs), (
         f"one checkpoint per run, by rank 0: {saves}"
     )
-    if "scaling" in script:
-        rows = csv.read_text().splitlines()
-        assert (
-            len(rows) == 1 + len(runs) and rows[1].startswith("1,") and rows[2].startswith("2,")
-        ), rows
 
 
 def test_train_py_tells_the_batch_step_from_an_srun_step(
@@ -420,9 +417,12 @@ def test_scaling_job_on_two_nodes_keeps_small_runs_on_one_node(
     mnist_root: Path,  # noqa: F811
     tmp_path: Path,
     probe_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    run_notebook,
 ) -> None:
     """job_scaling.sbatch on 2 nodes x 2 tasks runs 1, 2 and 4 processes: the 2-process run must
-    sit on one node (intra-node only), the 4-process run on both."""
+    sit on one node (intra-node only), the 4-process run on both. Its CSV is what the scaling
+    notebook plots: speedup and efficiency 1 for 1 process, and a PNG."""
     cluster = slurm.start(2)
     csv = tmp_path / "scaling.csv"
     args = ["--", "--epochs", "1", "--workers", "0", "--checkpoint", str(tmp_path / "m.pt")]
@@ -442,8 +442,26 @@ def test_scaling_job_on_two_nodes_keeps_small_runs_on_one_node(
     for event in probe.events("node"):
         nodes_of.setdefault(world_of[event["pid"]], set()).add(event["node"])
     assert {world: len(nodes) for world, nodes in nodes_of.items()} == {1: 1, 2: 1, 4: 2}, nodes_of
-    rows = csv.read_text().splitlines()
-    assert [row.split(",")[0] for row in rows[1:]] == ["1", "2", "4"], rows
+    check_training_runs(job, probe, [1, 2, 4])
+    rows = [line.split(",") for line in csv.read_text().splitlines()]
+    assert rows[0] == ["processes", "launcher", "samples_per_s", "epoch_s", "test_acc"], rows
+    assert [(r[0], r[1]) for r in rows[1:]] == [("1", "srun"), ("2", "srun"), ("4", "srun")]
+    for _, _, rate, seconds, accuracy in rows[1:]:
+        assert float(rate) * float(seconds) == pytest.approx(TRAIN_DIGITS, rel=0.02), (
+            "samples/s x epoch_s = samples"
+        )
+        assert float(accuracy) > 50, "one epoch already learns something"
+
+    png = tmp_path / "scaling.png"
+    monkeypatch.setenv("SCALING_CSV", str(csv))
+    monkeypatch.setenv("SCALING_PNG", str(png))
+    notebook = run_notebook(REPO / "solutions/scaling_analysis.ipynb", cwd=REPO, timeout=120)
+    outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
+    printed = "".join(o.get("text", "") for o in outputs)
+    assert re.search(r"^\s+1 .* 1\.00\s+1\.00$", printed, re.M), (
+        f"1 process: speedup 1, efficiency 1\n{printed}"
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the notebook wrote a PNG"
 
 
 @pytest.mark.parametrize("launcher", ONE_PER_NODE)
