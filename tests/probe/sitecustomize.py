@@ -17,8 +17,6 @@ and "time". The events:
               any Subset)
 - collective  {name, file, line}     when the script calls a torch.distributed collective
               (recorded before the call, so a call that never returns is recorded too)
-- continuation {file, line}          when Python code hands a function to a torch Future
-              (then, add_done_callback): the future's completion runs it on another thread
 - save        {path}                 every torch.save, the probe's own files excluded
 - final       {threads}              at destroy_process_group; the parameters of the first
               optimizer (the model being trained) go to <pid>.params.pt
@@ -147,20 +145,6 @@ def _install() -> None:
 
     for name in COLLECTIVES:
         setattr(dist, name, recording(name, getattr(dist, name)))
-
-    def continuing(original):
-        def add_continuation(self, callback, *args, **kwargs):
-            # the first caller outside torch (torch.futures.Future.then calls this one)
-            caller = sys._getframe(1)
-            while caller.f_back and f"{os.sep}torch{os.sep}" in caller.f_code.co_filename:
-                caller = caller.f_back
-            record("continuation", file=caller.f_code.co_filename, line=caller.f_lineno)
-            return original(self, callback, *args, **kwargs)
-
-        return add_continuation
-
-    torch._C.Future.then = continuing(torch._C.Future.then)
-    torch._C.Future.add_done_callback = continuing(torch._C.Future.add_done_callback)
 
     original_save = torch.save
 
