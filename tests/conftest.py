@@ -193,6 +193,12 @@ class Probe:
             for i in r["indices"]
         ]
 
+    def unreleased_groups(self) -> dict[int, int | None]:
+        """rank -> gloo threads at exit, for every rank whose process group was not released
+        before Python shut down (or that recorded no exit at all)."""
+        exits = {e["rank"]: e["gloo_threads"] for e in self.events("exit")}
+        return {r: exits.get(r) for r in self.ranks() if exits.get(r) != 0}
+
     def survivors(self, grace: float = 5.0) -> list[int]:
         """This run's processes still running after `grace` seconds. A SIGKILLed process takes a
         moment to die, and a pid may be reused by someone else meanwhile: a process counts as

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,21 @@ PAIR = re.compile(r"(\w+)=(\S+)")
 
 
 def experiment(script: str, *args: str) -> Run:
-    """One launch of an experiment script. fork (the scripts' --start-method option) skips the
-    children's torch import: ~3 s of CPU per process. mp.spawn runs in the helper-style test."""
-    return launch(
-        [PYTHON, f"{EXPERIMENTS}/{script}", "--start-method", "fork", *args], timeout=TIMEOUT
+    """One launch of an experiment script under its default start method (spawn), with the
+    probe. Every rank must exit with its process group released: a group still alive when
+    Python shuts down is torn down during interpreter shutdown, where gloo can abort the process
+    ("terminate called without an active exception") after correct results."""
+    with tempfile.TemporaryDirectory() as directory:
+        run = launch(
+            [PYTHON, f"{EXPERIMENTS}/{script}", *args], timeout=TIMEOUT, probe_dir=Path(directory)
+        )
+        probe = Probe.read(Path(directory))
+    assert len(probe.ranks()) >= 2, f"the probe saw ranks {probe.ranks()}\n{run.describe()}"
+    assert not probe.unreleased_groups(), (
+        f"gloo threads still running at exit, per rank: {probe.unreleased_groups()}\n"
+        + run.describe()
     )
+    return run
 
 
 def records(run: Run, kind: str) -> list[dict[str, str]]:
@@ -205,6 +216,7 @@ def test_helper_style_runs_with_one_or_more_processes(nprocs: int, probe_dir: Pa
         assert sorted(probe.indices(None)) == list(range(512))
     else:
         assert sorted(probe.ranks()) == [0, 1]
+        assert not probe.unreleased_groups(), "destroy_process_group released the group"
         for epoch in (0, 1):
             both = probe.indices(0, epoch=epoch) + probe.indices(1, epoch=epoch)
             assert sorted(both) == list(range(512))

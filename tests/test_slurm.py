@@ -228,6 +228,7 @@ def assert_trained(run: Run, probe: Probe, *, nodes: int, per_node: int, checkpo
     assert [e["world_size"] for e in probe.events("init")] == [world] * world, (
         "init_process_group's world size"
     )
+    assert not probe.unreleased_groups(), "each rank releases its process group before exit"
     node_of = {e["rank"]: e["node"] for e in probe.events("node")}
     local_rank_of = {e["rank"]: e["local_rank"] for e in probe.events("node")}
     assert len(set(node_of.values())) == nodes, f"ranks per node: {node_of}"

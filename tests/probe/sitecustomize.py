@@ -20,6 +20,11 @@ and "time". The events:
 - save        {path}                 every torch.save, the probe's own files excluded
 - final       {threads}              at destroy_process_group; the parameters of the first
               optimizer (the model being trained) go to <pid>.params.pt
+- exit        {gloo_threads}         when Python shuts down normally (atexit; not in children
+              that end with os._exit, as fork's do), in a process that called
+              init_process_group: how many of gloo's threads still run. 0 when the group was
+              released; more when something still holds it and it will be torn down during
+              interpreter shutdown, where gloo can abort the process.
 
 Faults, injected when a test asks for them:
 
@@ -37,6 +42,7 @@ Faults, injected when a test asks for them:
   temporary file was written and before it is renamed; records `crashed` {source} first.
 """
 
+import atexit
 import json
 import os
 import signal
@@ -55,6 +61,23 @@ def record(event: str, **fields) -> None:
     line = json.dumps({"event": event, "rank": rank, "time": time.time(), **fields})
     with open(os.path.join(PROBE_DIR, f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line + "\n")
+
+
+def gloo_threads() -> int | None:
+    """This process's threads whose name says gloo (Linux only: None elsewhere)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read())
+        except OSError:
+            # The thread ended while we looked.
+            pass
+    return sum("gloo" in name for name in names)
 
 
 def fault_at(name: str) -> tuple[int, int, int] | None:
@@ -115,6 +138,8 @@ def _install() -> None:
         )
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", -1)))
         record("node", node=node, local_rank=local_rank)
+        rank = dist.get_rank()
+        atexit.register(lambda: record("exit", rank=rank, gloo_threads=gloo_threads()))
         return result
 
     dist.init_process_group = init_process_group
