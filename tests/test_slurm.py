@@ -165,6 +165,7 @@ def submit(
     probe_dir: Path,
     env: dict[str, str] | None = None,
     sbatch_options: tuple[str, ...] = (),
+    timeout: float = JOB_TIMEOUT,
 ) -> Job:
     """sbatch a job script (or --wrap=COMMAND) as a learner would, from the repository root;
     wait for its end, with a time limit on the job and a timeout on the wait."""
@@ -179,7 +180,7 @@ def submit(
         *args,
     ]
     submitted = launch(command, timeout=30, probe_dir=probe_dir, env={**cluster.env, **(env or {})})
-    return wait_for(cluster, submitted.stdout.strip().split(";")[0], command, tmp_path)
+    return wait_for(cluster, submitted.stdout.strip().split(";")[0], command, tmp_path, timeout)
 
 
 def sbatch_only(cluster: Cluster, args: list[str], probe_dir: Path) -> str:
@@ -189,29 +190,42 @@ def sbatch_only(cluster: Cluster, args: list[str], probe_dir: Path) -> str:
     return submitted.stdout.strip().split(";")[0]
 
 
-def wait_for(cluster: Cluster, job_id: str, command: list[str], tmp_path: Path) -> Job:
-    """Wait for a job's end, with a timeout; read its output files back."""
-    deadline = time.monotonic() + JOB_TIMEOUT
+def wait_for(
+    cluster: Cluster, job_id: str, command: list[str], tmp_path: Path, timeout: float = JOB_TIMEOUT
+) -> Job:
+    """Wait for a job's end; read its output files back. At the timeout (a hang, or a request
+    larger than the cluster, which would wait forever) cancel the job, wait for Slurm to end it,
+    and fail with "timed out" first."""
+    deadline = time.monotonic() + timeout
     info = cluster.job(job_id)
     while info.get("JobState") not in FINISHED:
-        if (
-            time.monotonic() > deadline
-        ):  # e.g. a request larger than the cluster: it would wait forever
+        if time.monotonic() > deadline:
+            reason = info.get("Reason", "None")
+            was = info.get("JobState", "?") + (f" ({reason})" if reason != "None" else "")
             subprocess.run(["scancel", job_id], env={**os.environ, **cluster.env}, timeout=30)
+            cancelled = time.monotonic() + 10
+            while info.get("JobState") not in FINISHED and time.monotonic() < cancelled:
+                time.sleep(0.2)
+                info = cluster.job(job_id)
             pytest.fail(
-                f"job {job_id} still {info.get('JobState')} ({info.get('Reason')})"
-                f" after {JOB_TIMEOUT} s: cancelled"
+                f"timed out after {timeout:g} s: job {job_id} was {was}, cancelled, now"
+                f" {info.get('JobState')}\n" + read_job(job_id, command, tmp_path, info).describe()
             )
         time.sleep(0.2)
         info = cluster.job(job_id)
     ended = time.time()
+    return Job(
+        job_id, info["JobState"], info["ExitCode"], ended, read_job(job_id, command, tmp_path, info)
+    )
+
+
+def read_job(job_id: str, command: list[str], tmp_path: Path, info: dict[str, str]) -> Run:
     output = [(tmp_path / f"job-{job_id}.{kind}") for kind in ("out", "err")]
-    run = Run(
+    return Run(
         command,
-        int(info["ExitCode"].split(":")[0]),
+        int(info.get("ExitCode", "-1:0").split(":")[0]),
         *(p.read_text() if p.exists() else "" for p in output),
     )
-    return Job(job_id, info["JobState"], info["ExitCode"], ended, run)
 
 
 def assert_trained(run: Run, probe: Probe, *, nodes: int, per_node: int, checkpoint: Path) -> None:
@@ -389,6 +403,41 @@ def test_a_job_without_its_environment_says_so(
     assert len(lines) == 1 and lines[0].startswith("error: no python with torch here"), lines
     assert "load your environment in the job script" in lines[0], lines
     assert "rank 0/" not in job.run.stdout, "nothing may start training"
+
+
+# Seconds from submission: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by
+# default), so only the test's own timeout can end the job.
+HANG_TIMEOUT = 20
+
+
+def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
+    slurm: Cluster, tmp_path: Path, probe_dir: Path
+) -> None:
+    """Rank 1 never reaches init_process_group, so rank 0 waits for it there. At the test's
+    timeout the job is cancelled; Slurm must end every task within seconds, and the report must
+    start with "timed out"."""
+    cluster = slurm.start(1)
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        submit(
+            cluster,
+            "part4_torchrun/job_srun_1node.sbatch",
+            tiny_run(tmp_path / "model.pt"),
+            tmp_path,
+            probe_dir=probe_dir,
+            env={"DDP_PROBE_HANG_RANK": "1"},
+            timeout=HANG_TIMEOUT,
+        )
+    seconds = time.monotonic() - start
+    report = str(failure.value)
+    assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), report[:500]
+    assert seconds < HANG_TIMEOUT + 10, f"the job took {seconds:.0f} s to end"
+    assert "now CANCELLED" in report, report[:500]
+    probe = Probe.read(probe_dir)
+    assert [e["rank"] for e in probe.events("hang")] == [1], report
+    assert [e["rank"] for e in probe.events("waiting")] == [0], "rank 0 must wait for rank 1"
+    survivors = probe.survivors()
+    assert not survivors, f"processes left running after the cancel: {survivors}"
 
 
 # --- two nodes ---
