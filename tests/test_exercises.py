@@ -50,7 +50,8 @@ COLLECTIVE_TIMEOUT_S = 30
 GRADE_EPOCHS = 3
 # After 3 epochs: 96.5% here; the README's 5-epoch run reaches 97.5%.
 MIN_TEST_ACC = 95.0
-TRAIN_ARGS = ["--batch-size", "32", "--lr", "1.0", "--workers", "0", "--seed", "0"]
+# The default loader settings (one worker process per rank), as a learner runs them.
+TRAIN_ARGS = ["--batch-size", "32", "--lr", "1.0", "--seed", "0"]
 SOLUTIONS = {
     "srun": "solutions/mnist_classify_ddp.py",
     "torchrun": "solutions/mnist_classify_ddp_torchrun.py",
@@ -535,6 +536,9 @@ def test_autograde(
     findings = grade(training, launcher)
     if any(f.problem for f in findings):
         pytest.fail(report(findings, training), pytrace=False)
+    # Graded as a learner runs it: loader worker processes feed the DistributedSampler's batches.
+    workers = {e["workers"] for e in training.probe.events("batch") if e["loader"] == 0}
+    assert workers and 0 not in workers, f"training loader worker processes: {workers}"
 
 
 def failing(findings: list[Finding]) -> dict[str, str]:

@@ -303,7 +303,8 @@ def test_solution_job_script_trains_on_mnist(
 ) -> None:
     cluster = slurm.start(1)
     checkpoint = tmp_path / "ckpt" / "mnist.pt"
-    args = ["--epochs", "1", "--workers", "0", "--checkpoint", str(checkpoint)]
+    # The default loader settings: worker processes feed each rank's batches.
+    args = ["--epochs", "1", "--checkpoint", str(checkpoint)]
     job = submit(
         cluster,
         script,
@@ -314,7 +315,11 @@ def test_solution_job_script_trains_on_mnist(
     )
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
     processes = SOLUTION_JOBS[script]
-    check_training_runs(job, Probe.read(probe_dir), [processes], serial="serial" in script)
+    probe = Probe.read(probe_dir)
+    check_training_runs(job, probe, [processes], serial="serial" in script)
+    workers = {e["workers"] for e in probe.events("batch") if e["loader"] == 0}
+    assert workers and 0 not in workers, f"training loader worker processes: {workers}"
+    assert not probe.unreleased_groups(), "each rank releases its process group before exit"
 
 
 def check_training_runs(job: Job, probe: Probe, runs: list[int], serial: bool = False) -> None:

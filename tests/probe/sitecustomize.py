@@ -10,8 +10,9 @@ and "time". The events:
 - node        {node, local_rank}     after init_process_group: the node is SLURMD_NODENAME under
               Slurm, else DDP_PROBE_NODE (a test's name for a launcher it started), else the host
               name; the local rank is the launcher's (LOCAL_RANK, else SLURM_LOCALID)
-- batch       {loader, pass, indices, samples}  every batch a loader's batch sampler hands out:
-              loader = the loader's creation order in this process, pass = how many times it was
+- batch       {loader, workers, pass, indices, samples}  every batch a loader's batch sampler
+              hands out: loader = the loader's creation order in this process, workers = its
+              num_workers (loader processes), pass = how many times it was
               iterated before (for torchdata's StatefulDataLoader: its sampler's epoch), indices =
               what the sampler drew, samples = those indices in the underlying data set (through
               any Subset)
@@ -191,6 +192,7 @@ def _install() -> None:
                 self.batch_sampler._probe_loader = loader_count[0]
                 self.batch_sampler._probe_pass = 0
                 self.batch_sampler._probe_maps = subset_maps(self.dataset)
+                self.batch_sampler._probe_workers = self.num_workers
             loader_count[0] += 1
 
         return loader_init
@@ -203,7 +205,15 @@ def _install() -> None:
             return
         samples = [in_dataset(i, sampler._probe_maps) for i in batch]
         indices = [int(i) for i in batch]
-        record("batch", loader=loader, indices=indices, samples=samples, **{"pass": pass_number})
+        workers = sampler._probe_workers
+        record(
+            "batch",
+            loader=loader,
+            workers=workers,
+            indices=indices,
+            samples=samples,
+            **{"pass": pass_number},
+        )
         if loader == 0 and dist.is_initialized():
             now = (dist.get_rank(), pass_number, batch_number)
             if now == kill_at and first_attempt:
