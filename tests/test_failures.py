@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -308,34 +309,48 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 HANG_TIMEOUT = 20
 
 
-@pytest.mark.parametrize("launcher", ["mp.spawn", "torchrun"])
-def test_a_hang_ends_at_the_timeout_with_no_process_left(
-    launcher: str, tmp_path: Path, probe_dir: Path
-) -> None:
-    """Rank 1 never reaches init_process_group, so rank 0 waits for it there. The launch's
-    timeout must end the launcher and every process it started (torchrun's workers run in
-    sessions of their own) within seconds, and the report must start with "timed out"."""
-    if launcher == "mp.spawn":
-        command = [PYTHON, "part3_ddp/step5_checkpoint.py", "--nprocs", "2"]
-    else:
-        command = [*TORCHRUN_2, "part4_torchrun/train.py"]
+HANG_COMMANDS = {
+    "mp.spawn": [PYTHON, "part3_ddp/step5_checkpoint.py", "--nprocs", "2"],
+    "torchrun": [*TORCHRUN_2, "part4_torchrun/train.py"],
+}
+
+
+def hang(launcher: str, directory: Path) -> tuple[str, float, Probe]:
+    """One launch whose rank 1 never reaches init_process_group: the failure report, the
+    seconds the launch took, and what the probe saw."""
+    probe_dir = directory / "probe"
+    probe_dir.mkdir()
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
         launch(
-            [*command, *TINY_RUN, "--checkpoint", str(tmp_path / "model.pt")],
+            [*HANG_COMMANDS[launcher], *TINY_RUN, "--checkpoint", str(directory / "model.pt")],
             timeout=HANG_TIMEOUT,
             env={"DDP_PROBE_HANG_RANK": "1"},
             probe_dir=probe_dir,
         )
-    seconds = time.monotonic() - start
-    report = str(failure.value)
-    assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), report[:500]
-    assert seconds < HANG_TIMEOUT + 10, f"the launch took {seconds:.0f} s to end"
-    probe = Probe.read(probe_dir)
-    assert [e["rank"] for e in probe.events("hang")] == [1], report
-    assert [e["rank"] for e in probe.events("waiting")] == [0], "rank 0 must wait for rank 1"
-    survivors = probe.survivors()
-    assert not survivors, f"processes left running after the timeout: {survivors}"
+    return str(failure.value), time.monotonic() - start, Probe.read(probe_dir)
+
+
+def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None:
+    """Rank 1 never reaches init_process_group, so rank 0 waits for it there. The launch's
+    timeout must end the launcher and every process it started (torchrun's workers run in
+    sessions of their own) within seconds, and the report must start with "timed out". Both
+    launchers hang at the same time: the test waits once."""
+    folders = {launcher: tmp_path / launcher for launcher in HANG_COMMANDS}
+    for folder in folders.values():
+        folder.mkdir()
+    with ThreadPoolExecutor(len(folders)) as pool:
+        futures = {name: pool.submit(hang, name, folder) for name, folder in folders.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    for launcher, (report, seconds, probe) in results.items():
+        assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), (launcher, report[:500])
+        assert seconds < HANG_TIMEOUT + 10, f"{launcher}: the launch took {seconds:.0f} s to end"
+        assert [e["rank"] for e in probe.events("hang")] == [1], (launcher, report)
+        assert [e["rank"] for e in probe.events("waiting")] == [0], (
+            f"{launcher}: rank 0 must wait for rank 1"
+        )
+        survivors = probe.survivors()
+        assert not survivors, f"{launcher}: processes left running after the timeout: {survivors}"
 
 
 # ---- bad input: one clear line, a non-zero exit, no traceback ----------------------------------
