@@ -202,7 +202,9 @@ def load_snapshot(path: str, state: dict) -> tuple[int, int]:
         torch.set_rng_state(snapshot["rng"])
         return snapshot["epoch"], snapshot["step"]
     except Exception as error:
-        sys.exit(f"error: cannot resume from {path} ({type(error).__name__}); move it away")
+        # Every rank fails here alike: rank 0 says why, once; the others exit with status 1.
+        message = f"error: cannot resume from {path} ({type(error).__name__}); move it away"
+        sys.exit(message if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
 
 def main() -> None:  # step 6

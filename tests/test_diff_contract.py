@@ -105,7 +105,7 @@ STEPS = [
             "range(start_epoch",
             "range(first_step",
         ),
-        85,
+        87,
     ),
 ]
 TEACHING_SCRIPTS = sorted({s.before for s in STEPS} | {s.after for s in STEPS})

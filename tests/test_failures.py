@@ -434,7 +434,7 @@ def snapshot_script() -> ModuleType:
 
 
 def test_bad_snapshots_are_named_and_left_untouched(
-    snapshot_script: ModuleType, tmp_path: Path, capsys
+    snapshot_script: ModuleType, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     good = tmp_path / "good.pt"
     rng = torch.get_rng_state()
@@ -457,6 +457,17 @@ def test_bad_snapshots_are_named_and_left_untouched(
             exit_message(exit.value), f"cannot resume from {path}", "move it away"
         )
         assert before is None or path.read_bytes() == before, "a bad snapshot is left as it was"
+    # In a process group, only rank 0 says it (torchrun would print every rank's line).
+    for rank, expected in ((0, f"cannot resume from {garbage}"), (1, None)):
+        monkeypatch.setattr(snapshot_script.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(snapshot_script.dist, "get_rank", lambda rank=rank: rank)
+        with pytest.raises(SystemExit) as exit:
+            snapshot_script.load_snapshot(str(garbage), fresh_state(snapshot_script))
+        if expected:
+            assert expected in exit_message(exit.value)
+        else:
+            assert exit.value.code == 1, f"rank {rank} exits with status 1 and no message"
+        monkeypatch.undo()
     assert snapshot_script.load_snapshot(str(good), fresh_state(snapshot_script)) == (1, 0)
     none = str(tmp_path / "none.pt")
     assert snapshot_script.load_snapshot(none, fresh_state(snapshot_script)) == (0, 0)
