@@ -202,7 +202,7 @@ def load_snapshot(path: str, state: dict) -> tuple[int, int]:
         torch.set_rng_state(snapshot["rng"])
         return snapshot["epoch"], snapshot["step"]
     except Exception as error:
-        # Every rank fails here alike: rank 0 says why, once; the others exit with status 1.
+        # Every rank reads the same file and fails alike: rank 0 says why, the others exit 1.
         message = f"error: cannot resume from {path} ({type(error).__name__}); move it away"
         sys.exit(message if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 

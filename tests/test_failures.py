@@ -305,8 +305,8 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 # ---- a hang ends at the test's timeout, and no process outlives it -----------------------------
 
 # Seconds: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
-# test's own timeout can end the run.
-HANG_TIMEOUT = 20
+# test's own timeout can end the run; long enough for two launches side by side to start.
+HANG_TIMEOUT = 30
 
 
 HANG_COMMANDS = {
@@ -347,7 +347,7 @@ def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None
         assert seconds < HANG_TIMEOUT + 10, f"{launcher}: the launch took {seconds:.0f} s to end"
         assert [e["rank"] for e in probe.events("hang")] == [1], (launcher, report)
         assert [e["rank"] for e in probe.events("waiting")] == [0], (
-            f"{launcher}: rank 0 must wait for rank 1"
+            f"{launcher}: rank 0 must wait for rank 1\n{report}"
         )
         survivors = probe.survivors()
         assert not survivors, f"{launcher}: processes left running after the timeout: {survivors}"

@@ -30,10 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Imported before init_process_group on purpose: this module stores the default group in its
-# functions' default arguments when it is imported, and DDP imports it on first use. Imported
-# after init_process_group, it keeps the group alive past destroy_process_group; the group is
-# then torn down while Python exits, which can abort the process after its results.
+# Imported before init_process_group on purpose: imported later (DDP does, on first use), it
+# keeps the group alive past destroy_process_group, and gloo can abort at exit (README).
 import torch.distributed.nn
 import torch.multiprocessing as mp
 import torch.nn as nn
