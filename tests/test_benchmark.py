@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PYTHON, launch
+from course_steps import PART1, STEP6
 
 COLUMNS = [
     *("suite", "label", "workload", "script", "launcher", "world_size", "threads"),
@@ -24,8 +25,8 @@ def test_benchmark_smoke_writes_csv_plot_and_ratios(tmp_path: Path) -> None:
         rows = list(reader)
     assert reader.fieldnames == COLUMNS
     assert [(r["script"], r["launcher"], r["world_size"]) for r in rows] == [
-        ("part1_single/train.py", "python", "1"),
-        ("part4_torchrun/train.py", "python", "1"),
+        (PART1, "python", "1"),
+        (STEP6, "python", "1"),
     ]
     for r in rows:
         assert r["status"] == "ok", r

@@ -11,16 +11,12 @@ import pytest
 import timm
 import torch
 from conftest import PYTHON, TEST_SAMPLES, TINY_RUN, TORCHRUN, TRAIN_SAMPLES, Probe, Run, launch
+from course_steps import BY_LABEL, PART1, STEP6, STEPS
 
 LAUNCH_TIMEOUT = 180  # seconds; a healthy 2-rank run here takes ~16 s
 EPOCHS = 2
-STEP_SCRIPTS = {
-    1: "part3_ddp/step1_process_group.py",
-    2: "part3_ddp/step2_ddp_wrap.py",
-    3: "part3_ddp/step3_distributed_sampler.py",
-    4: "part3_ddp/step4_device_placement.py",
-    5: "part3_ddp/step5_checkpoint.py",
-}
+# The mp.spawn steps of part 3, by number.
+STEP_SCRIPTS = {int(s.label): s.script for s in STEPS if s.label in "12345"}
 # What a process may print on stdout; anything else means two lines were glued together.
 OUTPUT_LINE_STARTS = (
     "device=",
@@ -113,8 +109,8 @@ def bare_model() -> torch.nn.Module:
 
 
 def test_part1_single_device_trains_and_is_reproducible(tmp_path: Path) -> None:
-    run, checkpoint = train("part1_single/train.py", tmp_path, launcher=[PYTHON])
-    rerun, _ = train("part1_single/train.py", tmp_path / "again", launcher=[PYTHON])
+    run, checkpoint = train(PART1, tmp_path, launcher=[PYTHON])
+    rerun, _ = train(PART1, tmp_path / "again", launcher=[PYTHON])
     epochs = assert_epochs_reported_once(run)
     assert "device=cpu" in run.stdout
     assert_whole_lines(run)
@@ -125,7 +121,7 @@ def test_part1_single_device_trains_and_is_reproducible(tmp_path: Path) -> None:
 
 
 def test_part2_dataparallel_runs_on_cpu_and_says_so(tmp_path: Path) -> None:
-    run, checkpoint = train("part2_dp/train.py", tmp_path, launcher=[PYTHON])
+    run, checkpoint = train(BY_LABEL["Part 2"].script, tmp_path, launcher=[PYTHON])
     assert "DataParallel over 0 GPU(s)" in run.stdout
     assert_epochs_reported_once(run)
     bare_model().load_state_dict(
@@ -233,7 +229,7 @@ def test_part4_under_torchrun_whose_variables_win_over_slurms(
     # Slurm-looking variables, as when torchrun runs inside srun: torchrun's must win.
     slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}
     run, checkpoint = train(
-        "part4_torchrun/train.py",
+        STEP6,
         tmp_path,
         probe_dir=probe_dir,
         env=slurm,
@@ -253,9 +249,7 @@ def test_part4_under_torchrun_whose_variables_win_over_slurms(
 
 
 def test_part4_plain_python_is_a_world_of_one(tmp_path: Path, probe_dir: Path) -> None:
-    run, checkpoint = train(
-        "part4_torchrun/train.py", tmp_path, launcher=[PYTHON], probe_dir=probe_dir
-    )
+    run, checkpoint = train(STEP6, tmp_path, launcher=[PYTHON], probe_dir=probe_dir)
     assert [(e["rank"], e["world_size"]) for e in Probe.read(probe_dir).events("init")] == [(0, 1)]
     assert "rank 0/1 device=cpu" in run.stdout
     assert_epochs_reported_once(run)

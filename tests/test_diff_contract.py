@@ -5,115 +5,13 @@ from __future__ import annotations
 
 import ast
 import difflib
-from dataclasses import dataclass
 
 import pytest
 from conftest import REPO
+from course_steps import STEPS, Step
 
-
-@dataclass(frozen=True)
-class Step:
-    before: str
-    after: str
-    tag: str  # the comment tag of the step: `# step 3`, `# speed`, ...
-    # What the step is about: each must appear in its added lines, and every added hunk
-    # (imports apart) must show one of them or the tag, so an off-topic change fails.
-    apis: tuple[str, ...]
-    budget: int  # most changed code lines (added + removed, the module docstring apart)
-
-
-# Budgets are the measured size of each diff: they may only ever go down.
-STEPS = [
-    Step("part1_single/train.py", "part2_dp/train.py", "DP", ("DataParallel", "model.module"), 7),
-    Step(
-        "part1_single/train.py",
-        "part3_ddp/step1_process_group.py",
-        "step 1",
-        (
-            "init_process_group",
-            "destroy_process_group",
-            "mp.spawn",
-            "set_device",
-            "barrier",
-            "gloo",
-            "nccl",
-            "MASTER_ADDR",
-            "rank == 0",
-        ),
-        44,
-    ),
-    Step(
-        "part3_ddp/step1_process_group.py",
-        "part3_ddp/step2_ddp_wrap.py",
-        "step 2",
-        ("DDP(", "model.module"),
-        5,
-    ),
-    Step(
-        "part3_ddp/step2_ddp_wrap.py",
-        "part3_ddp/step3_distributed_sampler.py",
-        "step 3",
-        ("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset("),
-        14,
-    ),
-    Step(
-        "part3_ddp/step3_distributed_sampler.py",
-        "part3_ddp/step4_device_placement.py",
-        "step 4",
-        ('f"cuda:{local_rank}"', "device_count()"),
-        5,
-    ),
-    Step(
-        "part3_ddp/step4_device_placement.py",
-        "part3_ddp/step5_checkpoint.py",
-        "step 5",
-        ("model.module", "load_state_dict"),
-        5,
-    ),
-    Step(
-        "part3_ddp/step5_checkpoint.py",
-        "part4_torchrun/train.py",
-        "step 6",
-        ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
-        27,
-    ),
-    Step(
-        "part4_torchrun/train.py",
-        "part4_torchrun/train_fast.py",
-        "speed",
-        (
-            "autocast",
-            "GradScaler",
-            "channels_last",
-            "compile()",
-            "num_workers",
-            "pin_memory",
-            "non_blocking",
-            "speed",
-        ),
-        53,
-    ),
-    Step(
-        "part4_torchrun/train.py",
-        "part4_torchrun/train_snapshot.py",
-        "step 7",
-        (
-            "os.replace(",
-            "StatefulDataLoader(",
-            "set_rng_state(",
-            "load_state_dict(",
-            "range(start_epoch",
-            "range(first_step",
-        ),
-        87,
-    ),
-]
-TEACHING_SCRIPTS = sorted({s.before for s in STEPS} | {s.after for s in STEPS})
-SPINE = ["part1_single/train.py", *[s.after for s in STEPS[1:7]]]
-MAX_LINES = 210  # per spine script: the longest has 210
-MAX_LINES_AFTER_SPINE = 245  # the speed step: part 4 plus its lesson
-# Step 7 resumes from any step, loader workers included: its lesson is the longest.
-MAX_LINES_SNAPSHOT = 280
+DIFFS = [s for s in STEPS if s.before]
+TEACHING_SCRIPTS = [s.script for s in STEPS]
 MAX_FLAGS = 11  # the mp.spawn steps: part 1's ten and --nprocs
 MAX_WIDTH = 100
 
@@ -128,7 +26,7 @@ def code_lines(path: str) -> list[str]:
 def hunks(step: Step) -> list[tuple[list[str], list[str]]]:
     """(removed, added) lines of each hunk of the diff, without context."""
     result: list[tuple[list[str], list[str]]] = []
-    diff = difflib.unified_diff(code_lines(step.before), code_lines(step.after), lineterm="", n=0)
+    diff = difflib.unified_diff(code_lines(step.before), code_lines(step.script), lineterm="", n=0)
     for line in diff:
         if line.startswith("@@"):
             result.append(([], []))
@@ -137,11 +35,11 @@ def hunks(step: Step) -> list[tuple[list[str], list[str]]]:
     return result
 
 
-@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.after)
+@pytest.mark.parametrize("step", DIFFS, ids=lambda s: s.script)
 def test_each_diff_shows_its_step_and_nothing_else(step: Step) -> None:
     diff = hunks(step)
     added = [line for _, plus in diff for line in plus]
-    assert added, f"{step.after} adds nothing to {step.before}"
+    assert added, f"{step.script} adds nothing to {step.before}"
     for api in step.apis:
         assert any(api in line for line in added), f"{step.tag}: the diff should show {api!r}"
     for _, plus in diff:
@@ -160,8 +58,9 @@ def test_diffs_open_on_code() -> None:
     assert len(docstrings) == 1, docstrings
 
 
-@pytest.mark.parametrize("script", TEACHING_SCRIPTS)
-def test_teaching_scripts_are_standalone_and_short(script: str) -> None:
+@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.script)
+def test_teaching_scripts_are_standalone_and_short(step: Step) -> None:
+    script = step.script
     text = (REPO / script).read_text()
     tree = ast.parse(text)
     repo_packages = {p.name for p in REPO.iterdir() if p.is_dir()}
@@ -176,11 +75,10 @@ def test_teaching_scripts_are_standalone_and_short(script: str) -> None:
         for name in names:
             assert name.split(".")[0] not in repo_packages, f"{script} imports {name} from the repo"
     lines = text.splitlines()
-    limit = MAX_LINES if script in SPINE else MAX_LINES_AFTER_SPINE
-    limit = MAX_LINES_SNAPSHOT if script.endswith("train_snapshot.py") else limit
+    limit = step.max_lines
     assert len(lines) <= limit, f"{script}: {len(lines)} lines, keep it to {limit}"
     assert max(map(len, lines)) <= MAX_WIDTH, f"{script}: a line over {MAX_WIDTH} characters"
-    if script in SPINE:
+    if step.spine:
         flags = text.count("add_argument(")
         assert flags <= MAX_FLAGS, f"{script}: {flags} flags, at most {MAX_FLAGS}"
 
@@ -192,7 +90,7 @@ def test_scripts_share_function_order() -> None:
         tree = ast.parse((REPO / path).read_text())
         return [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
 
-    base = functions("part1_single/train.py")
+    base = functions(STEPS[0].script)
     for script in TEACHING_SCRIPTS:
         present = [name for name in functions(script) if name in base]
         assert present == base, f"{script}: part 1's functions missing or reordered: {present}"

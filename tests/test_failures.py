@@ -17,11 +17,11 @@ import pytest
 import timm
 import torch
 from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
-from test_diff_contract import STEPS
+from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 
-SNAPSHOT_SCRIPT = "part4_torchrun/train_snapshot.py"
+SNAPSHOT_SCRIPT = BY_LABEL["7"].script
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
-GPU_CHECKED = [s.after for s in STEPS if s.tag in ("step 4", "step 5", "step 6", "speed", "step 7")]
+GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
     240  # seconds; a hang detector: a healthy run here takes 10-45 s, more while other tests run
 )
@@ -42,6 +42,11 @@ RUN = [*TINY_RUN, "--fake-size", "165", "--epochs", str(EPOCHS)]
 KILL_AT = (1, 1, 3)
 SNAPSHOT_EVERY = ["--snapshot-every", "2"]
 TORCHRUN_2 = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
+# A 2-rank training run under each launcher that starts its own processes.
+TWO_RANKS = {
+    "mp.spawn": [PYTHON, STEP5, "--nprocs", "2"],
+    "torchrun": [*TORCHRUN_2, STEP6],
+}
 
 
 def import_script(path: str) -> ModuleType:
@@ -279,10 +284,7 @@ def test_crash_before_rename_keeps_the_previous_snapshot(tmp_path: Path, probe_d
 
 @pytest.mark.parametrize("launcher", ["mp.spawn", "torchrun"])
 def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: Path) -> None:
-    if launcher == "mp.spawn":
-        command = [PYTHON, "part3_ddp/step5_checkpoint.py", "--nprocs", "2"]
-    else:
-        command = [*TORCHRUN_2, "part4_torchrun/train.py"]
+    command = TWO_RANKS[launcher]
     env = {**SHORT_TIMEOUT, "DDP_PROBE_RAISE_AT": "1:0:1"}  # a timeout alone would end it too late
     run = launch(
         [*command, *TINY_RUN, "--epochs", "2", "--checkpoint", str(tmp_path / "model.pt")],
@@ -309,12 +311,6 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 HANG_TIMEOUT = 30
 
 
-HANG_COMMANDS = {
-    "mp.spawn": [PYTHON, "part3_ddp/step5_checkpoint.py", "--nprocs", "2"],
-    "torchrun": [*TORCHRUN_2, "part4_torchrun/train.py"],
-}
-
-
 def hang(launcher: str, directory: Path) -> tuple[str, float, Probe]:
     """One launch whose rank 1 never reaches init_process_group: the failure report, the
     seconds the launch took, and what the probe saw."""
@@ -323,7 +319,7 @@ def hang(launcher: str, directory: Path) -> tuple[str, float, Probe]:
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
         launch(
-            [*HANG_COMMANDS[launcher], *TINY_RUN, "--checkpoint", str(directory / "model.pt")],
+            [*TWO_RANKS[launcher], *TINY_RUN, "--checkpoint", str(directory / "model.pt")],
             timeout=HANG_TIMEOUT,
             env={"DDP_PROBE_HANG_RANK": "1"},
             probe_dir=probe_dir,
@@ -336,7 +332,7 @@ def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None
     timeout must end the launcher and every process it started (torchrun's workers run in
     sessions of their own) within seconds, and the report must start with "timed out". Both
     launchers hang at the same time: the test waits once."""
-    folders = {launcher: tmp_path / launcher for launcher in HANG_COMMANDS}
+    folders = {launcher: tmp_path / launcher for launcher in TWO_RANKS}
     for folder in folders.values():
         folder.mkdir()
     with ThreadPoolExecutor(len(folders)) as pool:
@@ -380,16 +376,16 @@ for script, args in json.loads(sys.argv[1]):
 def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     no_data = tmp_path / "no_data"
     cases = [  # (script, arguments, what the one line must say)
-        ("part1_single/train.py", ["--epochs", "0"], ["--epochs", "at least 1"]),
-        ("part1_single/train.py", ["--batch-size", "-4"], ["--batch-size", "at least 1"]),
-        ("part1_single/train.py", ["--model", "resnet181"], ["unknown --model 'resnet181'"]),
-        ("part1_single/train.py", ["--data-dir", str(no_data)], [str(no_data), "--dataset fake"]),
+        (PART1, ["--epochs", "0"], ["--epochs", "at least 1"]),
+        (PART1, ["--batch-size", "-4"], ["--batch-size", "at least 1"]),
+        (PART1, ["--model", "resnet181"], ["unknown --model 'resnet181'"]),
+        (PART1, ["--data-dir", str(no_data)], [str(no_data), "--dataset fake"]),
         (
-            "part3_ddp/step5_checkpoint.py",
+            STEP5,
             ["--model", "resnet181", "--nprocs", "2"],
             ["unknown --model"],
         ),  # before mp.spawn
-        ("part4_torchrun/train.py", ["--batch-size", "0"], ["at least 1"]),
+        (STEP6, ["--batch-size", "0"], ["at least 1"]),
     ]
     offline = {
         "http_proxy": "http://127.0.0.1:9",

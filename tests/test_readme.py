@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from course_steps import STEPS
 
 README_FILES = sorted(
     p.relative_to(REPO)
@@ -118,3 +119,24 @@ def test_diff_excerpts_match_the_scripts(readme: Path) -> None:
         if line[:1] in "+-" and line[1:].rstrip() and line[1:].rstrip() not in scripts
     ]
     assert not stale, f"{readme}: diff lines found in no script:\n" + "\n".join(stale)
+
+
+def test_course_map_lists_the_steps() -> None:
+    """The README's course map is the step list of tests/course_steps.py, in its order: each
+    row's label, script, lesson, and the launcher of its quick run, which runs that script."""
+    text = (REPO / "README.md").read_text()
+    course_map = text.split("## The course map", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in course_map.splitlines()
+        if line.startswith("| ") and not line.startswith("| Step ")
+    ]
+    found = []
+    for label, script, teaches, command, _ in rows:
+        words = shlex.split(command.strip("`"))
+        # Leading VARIABLE=value words set the environment; the launcher comes after them.
+        launcher = next(w for w in words if "=" not in w)
+        link = LINK.search(script).group(1)
+        found.append((label, link, teaches, launcher, link in words))
+    expected = [(s.label, s.script, s.teaches, s.launcher, True) for s in STEPS]
+    assert found == expected, "the README's course map and tests/course_steps.py differ"

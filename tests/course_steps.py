@@ -1,0 +1,157 @@
+"""The course's steps, listed once: each script, the script its diff is read against, how its
+quick run launches it, what it teaches, the APIs its diff must show and its size budgets. The
+diff contract, the spine and failure tests, the benchmark test and the README check read this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Lines per script: the spine, the speed step (part 4 plus its lesson), and step 7, which
+# resumes from any step, loader workers included: its lesson is the longest.
+SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 210, 245, 280
+
+
+@dataclass(frozen=True)
+class Step:
+    label: str  # its row in the README's course map: "Part 1", "1", ..., "speed", "7"
+    script: str
+    before: str | None  # the script its diff is read against (None: the base)
+    tag: str | None  # its comment tag in the script: `# step 3`, `# speed`, ...
+    launcher: str  # what its quick run starts it with: "python" or "torchrun"
+    teaches: str  # what its diff teaches, as the README's course map says it
+    # What the step is about: each must appear in its added lines, and every added hunk
+    # (imports apart) must show one of them or the tag, so an off-topic change fails.
+    apis: tuple[str, ...] = ()
+    # Most changed code lines (added + removed, the module docstring apart): the measured size
+    # of each diff, which may only ever go down.
+    budget: int = 0
+    max_lines: int = SPEED_LINES
+    spine: bool = False  # on the way from part 1 to part 4: the tightest budgets
+    checks_gpus: bool = False  # refuses more processes per node than GPUs (step 4 on)
+
+
+PART1 = "part1_single/train.py"
+STEP1 = "part3_ddp/step1_process_group.py"
+STEP2 = "part3_ddp/step2_ddp_wrap.py"
+STEP3 = "part3_ddp/step3_distributed_sampler.py"
+STEP4 = "part3_ddp/step4_device_placement.py"
+STEP5 = "part3_ddp/step5_checkpoint.py"
+STEP6 = "part4_torchrun/train.py"
+SPINE = {"max_lines": SPINE_LINES, "spine": True}
+
+STEPS = [
+    Step("Part 1", PART1, None, None, "python", "the baseline on one device", **SPINE),
+    Step(
+        "Part 2",
+        "part2_dp/train.py",
+        PART1,
+        "DP",
+        "python",
+        "`nn.DataParallel`: one process, all GPUs",
+        ("DataParallel", "model.module"),
+        7,
+    ),
+    Step(
+        "1",
+        STEP1,
+        PART1,
+        "step 1",
+        "python",
+        "one process per device, a process group",
+        (
+            *("init_process_group", "destroy_process_group", "mp.spawn", "set_device"),
+            *("barrier", "gloo", "nccl", "MASTER_ADDR", "rank == 0"),
+        ),
+        44,
+        **SPINE,
+    ),
+    Step(
+        "2",
+        STEP2,
+        STEP1,
+        "step 2",
+        "python",
+        "`DDP(model)`: gradients averaged",
+        ("DDP(", "model.module"),
+        5,
+        **SPINE,
+    ),
+    Step(
+        "3",
+        STEP3,
+        STEP2,
+        "step 3",
+        "python",
+        "a shard per rank, `set_epoch`, global metrics",
+        ("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset("),
+        14,
+        **SPINE,
+    ),
+    Step(
+        "4",
+        STEP4,
+        STEP3,
+        "step 4",
+        "python",
+        "`cuda:LOCAL_RANK`",
+        ('f"cuda:{local_rank}"', "device_count()"),
+        5,
+        **SPINE,
+        checks_gpus=True,
+    ),
+    Step(
+        "5",
+        STEP5,
+        STEP4,
+        "step 5",
+        "python",
+        "save once, without `module.`",
+        ("model.module", "load_state_dict"),
+        5,
+        **SPINE,
+        checks_gpus=True,
+    ),
+    Step(
+        "6",
+        STEP6,
+        STEP5,
+        "step 6",
+        "torchrun",
+        "the launcher says who each process is",
+        ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
+        27,
+        **SPINE,
+        checks_gpus=True,
+    ),
+    Step(
+        "speed",
+        "part4_torchrun/train_fast.py",
+        STEP6,
+        "speed",
+        "python",
+        "bf16, channels-last, compile, loader workers",
+        (
+            *("autocast", "GradScaler", "channels_last", "compile()", "num_workers"),
+            *("pin_memory", "non_blocking", "speed"),
+        ),
+        53,
+        checks_gpus=True,
+    ),
+    Step(
+        "7",
+        "part4_torchrun/train_snapshot.py",
+        STEP6,
+        "step 7",
+        "torchrun",
+        "snapshots; a restart resumes",
+        (
+            *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
+            *("range(start_epoch", "range(first_step"),
+        ),
+        87,
+        max_lines=SNAPSHOT_LINES,
+        checks_gpus=True,
+    ),
+]
+BY_LABEL = {s.label: s for s in STEPS}
