@@ -54,8 +54,9 @@ def log(message: str) -> None:
 #     torch.set_num_threads(max(1, torch.get_num_threads() // tasks on this node)), where
 #     tasks on this node = SLURM_NTASKS_PER_NODE (else world_size);
 #   - joins the group: dist.init_process_group("nccl" on GPUs, "gloo" on CPUs, rank=...,
-#     world_size=..., timeout=timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))):
-#     with the timeout, a collective that waits for a lost rank fails instead of hanging.
+#     world_size=..., timeout=timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60)))):
+#     with the timeout, a collective that waits for a lost rank fails after a minute instead
+#     of hanging (a minute covers rank 0's MNIST download at the barrier).
 # TODO(step 6): srun starts the processes but does not tell them where to meet: the job
 #   script exports MASTER_ADDR (the job's first node) and MASTER_PORT (a free port) before
 #   srun. Without them, end with sys.exit("error: ...") saying so.

@@ -71,7 +71,7 @@ def setup_process_group() -> tuple[int, int, torch.device]:
         torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # a collective that waits this long for a lost rank fails instead of hanging
-    timeout = timedelta(seconds=int(env.get("DDP_TIMEOUT_S", 300)))
+    timeout = timedelta(seconds=int(env.get("DDP_TIMEOUT_S", 60)))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     return rank, world_size, device

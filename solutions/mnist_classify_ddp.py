@@ -65,8 +65,9 @@ def setup_process_group() -> tuple[int, int, int]:  # step 1
         torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))  # step 1
     # step 1: NCCL for NVIDIA GPUs, gloo for CPUs
     backend = "nccl" if torch.cuda.is_available() else "gloo"  # step 1
-    # step 1: a collective that waits this long for a lost rank fails instead of hanging
-    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))  # step 1
+    # step 1: a collective that waits this long for a lost rank fails instead of hanging;
+    # a minute covers rank 0's MNIST download (11 MB) at the barrier
+    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60)))  # step 1
     # step 1: rank 0 listens on MASTER_ADDR:MASTER_PORT; the others connect to it
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)  # step 1
     return rank, local_rank, world_size  # step 1

@@ -321,6 +321,10 @@ def test_solution_job_script_trains_on_mnist(
     check_training_runs(job, probe, [processes], serial="serial" in script)
     workers = {e["workers"] for e in probe.events("batch") if e["loader"] == 0}
     assert workers and 0 not in workers, f"training loader worker processes: {workers}"
+    # With the defaults, a rank that waits for a collective the others never reach fails
+    # within a minute.
+    timeouts = {e["timeout_s"] for e in probe.events("init")}
+    assert timeouts <= {60.0}, f"collective timeouts: {timeouts}"
     assert not probe.unreleased_groups(), (
         f"gloo threads still running at exit, per rank: {probe.unreleased_groups()}"
     )

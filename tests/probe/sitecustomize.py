@@ -6,7 +6,8 @@ scripts run unmodified under their real launchers. Each process appends one JSON
 to DDP_PROBE_DIR/<pid>.jsonl; every line has "event", "rank" (the process group's, else None)
 and "time". The events:
 
-- init        {world_size, backend}  after init_process_group
+- init        {world_size, backend, timeout_s}  after init_process_group; timeout_s: the
+              timeout it was given (None: PyTorch's default)
 - node        {node, local_rank}     after init_process_group: the node is SLURMD_NODENAME under
               Slurm, else DDP_PROBE_NODE (a test's name for a launcher it started), else the host
               name; the local rank is the launcher's (LOCAL_RANK, else SLURM_LOCALID)
@@ -131,7 +132,13 @@ def _install() -> None:
             if rank == hang_rank:
                 time.sleep(3600)
         result = original_init_pg(*args, **kwargs)
-        record("init", world_size=dist.get_world_size(), backend=str(dist.get_backend()))
+        timeout = kwargs.get("timeout")
+        record(
+            "init",
+            world_size=dist.get_world_size(),
+            backend=str(dist.get_backend()),
+            timeout_s=timeout.total_seconds() if timeout else None,
+        )
         node = (
             os.environ.get("SLURMD_NODENAME")
             or os.environ.get("DDP_PROBE_NODE")
