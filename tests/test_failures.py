@@ -406,6 +406,19 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
         assert_one_clear_line(result["stderr"], *expected)
 
 
+def test_a_wrong_argument_under_torchrun_is_said_once() -> None:
+    """Every worker parses the command line; with --local-ranks-filter=0, as the part 4 README
+    advises, the error shows once, and torchrun still fails the run."""
+    command = [*TORCHRUN_2, "--local-ranks-filter=0", STEP6, "--batch-size", "0"]
+    run = launch(command, timeout=LAUNCH_TIMEOUT, check=False)
+    output = run.stdout + run.stderr
+    errors = [line for line in output.splitlines() if line.startswith("train.py: error: ")]
+    assert errors == [
+        "train.py: error: --epochs, --batch-size and --fake-size must be at least 1"
+    ], run.describe()
+    assert run.returncode != 0 and "ChildFailedError" in output, run.describe()
+
+
 @pytest.mark.parametrize("script", GPU_CHECKED)
 def test_more_processes_than_gpus_with_nccl(
     script: str, monkeypatch: pytest.MonkeyPatch, capsys
