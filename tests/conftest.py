@@ -193,11 +193,15 @@ class Probe:
             for i in r["indices"]
         ]
 
-    def unreleased_groups(self) -> dict[int, int | None]:
-        """rank -> gloo threads at exit, for every rank whose process group was not released
-        before Python shut down (or that recorded no exit at all)."""
+    def assert_groups_released(self, context: str = "") -> None:
+        """Every rank exits with its process group released: no gloo thread left when Python
+        shuts down (a rank that recorded no exit fails too). A group torn down during interpreter
+        shutdown can abort the process after correct results."""
         exits = {e["rank"]: e["gloo_threads"] for e in self.events("exit")}
-        return {r: exits.get(r) for r in self.ranks() if exits.get(r) != 0}
+        unreleased = {r: exits.get(r) for r in self.ranks() if exits.get(r) != 0}
+        assert not unreleased, (
+            f"gloo threads still running at exit, per rank: {unreleased}\n{context}"
+        )
 
     def survivors(self, grace: float = 5.0) -> list[int]:
         """This run's processes still running after `grace` seconds. A SIGKILLed process takes a

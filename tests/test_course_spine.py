@@ -215,9 +215,7 @@ def test_step5_checkpoint_once_without_prefix(tmp_path: Path, probe_dir: Path) -
     )
     probe = Probe.read(probe_dir)
     assert_checkpoint_written_once_without_prefix(run, checkpoint, probe)
-    assert not probe.unreleased_groups(), (
-        f"gloo threads still running at exit, per rank: {probe.unreleased_groups()}"
-    )
+    probe.assert_groups_released()
     assert "loads into a bare test_resnet" in run.stdout
     assert_ranks_in_sync(probe, 2)
     assert_sampler_partitions(probe, 2)
@@ -243,9 +241,7 @@ def test_part4_under_torchrun_whose_variables_win_over_slurms(
     assert {e["threads"] for e in probe.events("final")} == {1}, (
         "torchrun sets OMP_NUM_THREADS=1; the script keeps it"
     )
-    assert not probe.unreleased_groups(), (
-        f"gloo threads still running at exit, per rank: {probe.unreleased_groups()}"
-    )
+    probe.assert_groups_released()
 
 
 def test_part4_plain_python_is_a_world_of_one(tmp_path: Path, probe_dir: Path) -> None:

@@ -29,10 +29,7 @@ def experiment(script: str, *args: str) -> Run:
         )
         probe = Probe.read(Path(directory))
     assert len(probe.ranks()) >= 2, f"the probe saw ranks {probe.ranks()}\n{run.describe()}"
-    assert not probe.unreleased_groups(), (
-        f"gloo threads still running at exit, per rank: {probe.unreleased_groups()}\n"
-        + run.describe()
-    )
+    probe.assert_groups_released(run.describe())
     return run
 
 
@@ -216,9 +213,7 @@ def test_helper_style_runs_with_one_or_more_processes(nprocs: int, probe_dir: Pa
         assert sorted(probe.indices(None)) == list(range(512))
     else:
         assert sorted(probe.ranks()) == [0, 1]
-        assert not probe.unreleased_groups(), (
-            f"gloo threads still running at exit, per rank: {probe.unreleased_groups()}"
-        )
+        probe.assert_groups_released()
         for epoch in (0, 1):
             both = probe.indices(0, epoch=epoch) + probe.indices(1, epoch=epoch)
             assert sorted(both) == list(range(512))
