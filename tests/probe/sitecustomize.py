@@ -2,7 +2,9 @@
 
 The tests put this folder on PYTHONPATH and set DDP_PROBE_DIR. Python imports `sitecustomize`
 at start-up in every process (mp.spawn children, torchrun workers, srun tasks), so the teaching
-scripts run unmodified under their real launchers. Each process appends one JSON line per event
+scripts run unmodified under their real launchers. The hooks go in when the process imports
+torch, so processes that never do (multiprocessing's resource tracker, helpers of the launchers)
+start as fast as without the probe. Each process appends one JSON line per event
 to DDP_PROBE_DIR/<pid>.jsonl; every line has "event", "rank" (the process group's, else None)
 and "time". The events:
 
@@ -45,6 +47,8 @@ Faults, injected when a test asks for them:
 """
 
 import atexit
+import importlib.abc
+import importlib.util
 import json
 import os
 import signal
@@ -295,5 +299,23 @@ def _install() -> None:
     stateful._BatchSamplerIterator.__next__ = stateful_next
 
 
+class AfterTorch(importlib.abc.MetaPathFinder):
+    """Finds `torch` as Python would, and installs the hooks right after torch's own import."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        import_torch = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            import_torch(module)
+            _install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 if PROBE_DIR:
-    _install()
+    sys.meta_path.insert(0, AfterTorch())
