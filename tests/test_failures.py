@@ -307,7 +307,8 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 # ---- a hang ends at the test's timeout, and no process outlives it -----------------------------
 
 # Seconds: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
-# test's own timeout can end the run; long enough for two launches side by side to start.
+# test's own timeout can end the run; long enough for two launches side by side to start (rank 0
+# of mp.spawn was waiting after 17 s with another test running beside them).
 HANG_TIMEOUT = 30
 
 
