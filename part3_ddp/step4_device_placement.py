@@ -1,9 +1,9 @@
-"""Train an image classifier: one script of a course on PyTorch DistributedDataParallel.
-Each script differs from the one before it by one step; its folder's README.md walks the diff."""
+"""A step of a PyTorch DDP course: train an image classifier. Its folder's README walks the diff."""
 
 import argparse
 import os
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from itertools import islice
@@ -38,11 +38,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", default="checkpoint.pt", help="'' to skip")
     parser.add_argument("--nprocs", type=int, default=torch.cuda.device_count() or 2)  # step 1
     args = parser.parse_args()
-    # Bad input ends here with one line, not later as a traceback (in every process).
+    # Bad input, or a folder the run cannot write to, ends here: one line, not a traceback.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
         parser.error("--epochs, --batch-size and --fake-size must be at least 1")
     if not timm.is_model(args.model):
         parser.error(f"unknown --model {args.model!r}; timm.list_models() names them all")
+    for folder in {os.path.dirname(p) or "." for p in [args.checkpoint] if p}:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            parser.error(f"cannot write to {os.path.abspath(folder)}: {error.strerror}")
     return args
 
 
@@ -80,10 +86,8 @@ def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
         test = torchvision.datasets.CIFAR10(args.data_dir, False, test_tf, download=download)
     except (OSError, RuntimeError) as error:
         # Offline (a URLError is an OSError), or the files are missing or damaged.
-        sys.exit(
-            f"error: no CIFAR-10 in {os.path.abspath(args.data_dir)} ({error}); "
-            "download it where there is internet, or use --dataset fake"
-        )
+        where = os.path.abspath(args.data_dir)
+        sys.exit(f"error: no CIFAR-10 in {where} ({error}); download it, or use --dataset fake")
     return train, test
 
 
@@ -116,10 +120,9 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
 
 @torch.no_grad()
 def evaluate(model, loader, device, max_steps: int):
-    """Returns (correct predictions, images) as one tensor on `device`."""
+    """Returns (correct predictions, images) as one tensor on `device`; max_steps=0: all."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    # max_steps=0: islice(loader, None) is the whole loader
     for images, labels in islice(loader, max_steps or None):
         images, labels = images.to(device), labels.to(device)
         totals[0] += (model(images).argmax(1) == labels).sum()
@@ -128,8 +131,7 @@ def evaluate(model, loader, device, max_steps: int):
 
 
 def epoch_line(epoch: int, epochs: int, train: list, test: list, seconds: float) -> str:
-    loss_sum, correct, seen = train
-    test_correct, test_seen = test
+    (loss_sum, correct, seen), (test_correct, test_seen) = train, test
     return (
         f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
         f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
@@ -139,7 +141,6 @@ def epoch_line(epoch: int, epochs: int, train: list, test: list, seconds: float)
 
 
 def save_checkpoint(model: torch.nn.Module, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(model.state_dict(), path)
     log(f"saved checkpoint {path}")
 
