@@ -376,11 +376,21 @@ for script, args in json.loads(sys.argv[1]):
 
 def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     no_data = tmp_path / "no_data"
+    # A path under a file: no folder can be made there, whoever runs the test (root included).
+    a_file, made = tmp_path / "a_file", tmp_path / "made" / "for" / "the checkpoint"
+    a_file.touch()
     cases = [  # (script, arguments, what the one line must say)
         (PART1, ["--epochs", "0"], ["--epochs", "at least 1"]),
         (PART1, ["--batch-size", "-4"], ["--batch-size", "at least 1"]),
         (PART1, ["--model", "resnet181"], ["unknown --model 'resnet181'"]),
-        (PART1, ["--data-dir", str(no_data)], [str(no_data), "--dataset fake"]),
+        # The checkpoint's folder is made at start: it exists when the data turns out missing.
+        (
+            PART1,
+            ["--data-dir", str(no_data), "--checkpoint", str(made / "m.pt")],
+            [str(no_data), "--dataset fake"],
+        ),
+        (PART1, ["--checkpoint", str(a_file / "m.pt")], [f"cannot write to {a_file}: "]),
+        (SNAPSHOT_SCRIPT, ["--snapshot", str(a_file / "s" / "s.pt")], [f"to {a_file}/s: "]),
         (
             STEP5,
             ["--model", "resnet181", "--nprocs", "2"],
@@ -405,6 +415,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
             f"{script} {args}: exit {result['code']}\n{result['stderr']}"
         )
         assert_one_clear_line(result["stderr"], *expected)
+    assert made.is_dir(), "the checkpoint's folder is made before the data is read"
 
 
 def test_a_wrong_argument_under_torchrun_is_said_once() -> None:
