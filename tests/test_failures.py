@@ -97,38 +97,42 @@ def fresh_state(module: ModuleType, name: str = "test_resnet") -> dict:
 def restarted_and_reference(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, tuple[Run, Path, Probe]]:
-    runs = {}
-    for name, extra_env, launcher in [
-        ("reference", {}, TORCHRUN_2),
-        (
-            "restarted",
-            {"DDP_PROBE_KILL_AT": ":".join(map(str, KILL_AT)), "LOGLEVEL": "INFO"},
-            [*TORCHRUN_2, "--max-restarts=1"],
-        ),
-    ]:
-        # The reference runs with the defaults (no snapshot within an epoch): saving snapshots
-        # must not change the training either.
-        flags = SNAPSHOT_EVERY if name == "restarted" else []
-        out = tmp_path_factory.mktemp(name)
-        (out / "probe").mkdir()
-        command = [
-            *launcher,
-            SNAPSHOT_SCRIPT,
-            *RUN,
-            *flags,
-            "--checkpoint",
-            str(out / "model.pt"),
-            "--snapshot",
-            str(out / "snapshot.pt"),
-        ]
-        run = launch(
-            command,
-            timeout=LAUNCH_TIMEOUT,
-            env={**SHORT_TIMEOUT, **FRESH_STORE, **extra_env},
-            probe_dir=out / "probe",
+    """Both runs at once: the restart's waits overlap the other run's work."""
+    kill = {"DDP_PROBE_KILL_AT": ":".join(map(str, KILL_AT)), "LOGLEVEL": "INFO"}
+    with ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(snapshot_run, "reference", {}, TORCHRUN_2, tmp_path_factory)
+        restarted = pool.submit(
+            snapshot_run, "restarted", kill, [*TORCHRUN_2, "--max-restarts=1"], tmp_path_factory
         )
-        runs[name] = (run, out, Probe.read(out / "probe"))
-    return runs
+        return {"reference": reference.result(), "restarted": restarted.result()}
+
+
+def snapshot_run(
+    name: str, extra_env: dict, launcher: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Run, Path, Probe]:
+    """One 2-rank torchrun run of the snapshot step, with the probe."""
+    # The reference runs with the defaults (no snapshot within an epoch): saving snapshots
+    # must not change the training either.
+    flags = SNAPSHOT_EVERY if name == "restarted" else []
+    out = tmp_path_factory.mktemp(name)
+    (out / "probe").mkdir()
+    command = [
+        *launcher,
+        SNAPSHOT_SCRIPT,
+        *RUN,
+        *flags,
+        "--checkpoint",
+        str(out / "model.pt"),
+        "--snapshot",
+        str(out / "snapshot.pt"),
+    ]
+    run = launch(
+        command,
+        timeout=LAUNCH_TIMEOUT,
+        env={**SHORT_TIMEOUT, **FRESH_STORE, **extra_env},
+        probe_dir=out / "probe",
+    )
+    return run, out, Probe.read(out / "probe")
 
 
 @pytest.mark.slow  # two 2-rank torchrun runs, one of them restarted: about half of this file's time

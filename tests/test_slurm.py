@@ -87,6 +87,8 @@ def private_cluster() -> dict[str, str]:
                 "DDP_SLURM_DIR": str(directory),
                 "DDP_SLURM_PORT": str(base),
                 "DDP_SLURM_FIRST_JOB_ID": str(1 + 100 * slot),
+                # Two 2-CPU jobs fit on a node at once (more CPUs than cores: allowed here).
+                "DDP_SLURM_CPUS": "4",
             }
     pytest.fail("no free slot for a private Slurm cluster in /tmp/ddp-course-slurm-test-*")
 
@@ -286,11 +288,9 @@ def train_job(cluster: Cluster, script: str, nodes: int, tmp_path: Path, probe_d
 # --- one node ---
 
 
-@pytest.mark.parametrize("script", ONE_NODE_JOBS, ids=lambda s: Path(s).stem)
-def test_one_node_job_script_trains(
-    slurm: Cluster, script: str, tmp_path: Path, probe_dir: Path
-) -> None:
-    train_job(slurm.start(1), script, 1, tmp_path, probe_dir)
+def test_one_node_srun_job_script_trains(slurm: Cluster, tmp_path: Path, probe_dir: Path) -> None:
+    # job_torchrun_1node.sbatch: the test of two jobs from one directory below
+    train_job(slurm.start(1), ONE_NODE_JOBS[0], 1, tmp_path, probe_dir)
 
 
 @pytest.mark.parametrize("script", SOLUTION_JOBS, ids=lambda s: Path(s).stem)
@@ -367,29 +367,32 @@ def test_train_py_tells_the_batch_step_from_an_srun_step(
     assert "Traceback" not in job.run.stderr, job.describe()
 
 
-def test_two_jobs_from_one_directory_keep_their_own_files(
-    slurm: Cluster, tmp_path: Path, probe_dir: Path
+def test_two_jobs_from_one_directory_train_and_keep_their_own_files(
+    slurm: Cluster, tmp_path: Path
 ) -> None:
-    """Two torchrun jobs submitted at once from one directory, with the job script's defaults
-    for outputs (one core each, so both fit on the node at once, each on ports of its own): each
-    writes its checkpoint into runs/<job id>/ and its log into <job name>-<job id>.out."""
+    """job_torchrun_1node.sbatch submitted twice at once from one directory, with all its
+    defaults (both fit on the node at once, each on ports of its own): each trains, and writes
+    its checkpoint into runs/<job id>/ and its log into <job name>-<job id>.out."""
     cluster = slurm.start(1)
     work = tmp_path / "work"
     work.mkdir()
     (work / "part4_torchrun").symlink_to(REPO / "part4_torchrun")
-    script = str(REPO / "part4_torchrun" / "job_torchrun_1node.sbatch")
-    options = [f"--chdir={work}", "--cpus-per-task=1", script, *TINY_RUN, "--epochs", "1"]
-    ids = [sbatch_only(cluster, options, probe_dir) for _ in range(2)]
+    script = str(REPO / ONE_NODE_JOBS[1])
+    options = [f"--chdir={work}", script, *TINY_RUN, "--epochs", "1"]
+    probes = [tmp_path / f"probe{n}" for n in range(2)]
+    ids = []
+    for probe_dir in probes:
+        probe_dir.mkdir()
+        ids.append(sbatch_only(cluster, options, probe_dir))
     jobs = [wait_for(cluster, i, options, tmp_path) for i in ids]
-    for job in jobs:
-        log = work / f"ddp-torchrun-1node-{job.id}.out"
-        assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), log.read_text()
-        text = log.read_text()
-        assert len(re.findall(r"^epoch 1/1 ", text, re.MULTILINE)) == 1, text
-        assert f"saved checkpoint runs/{job.id}/checkpoint.pt" in text, text
-        assert (work / "runs" / job.id / "checkpoint.pt").is_file()
-    saves = sorted(e["path"] for e in Probe.read(probe_dir).events("save"))
-    assert saves == sorted(str(work / "runs" / i / "checkpoint.pt") for i in ids), saves
+    for job, probe_dir in zip(jobs, probes, strict=True):
+        log = (work / f"ddp-torchrun-1node-{job.id}.out").read_text()
+        assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), log
+        checkpoint = work / "runs" / job.id / "checkpoint.pt"
+        assert f"saved checkpoint runs/{job.id}/checkpoint.pt" in log, log
+        run = Run(options, 0, log, "")
+        probe = Probe.read(probe_dir)
+        assert_trained(run, probe, nodes=1, per_node=PER_NODE, checkpoint=checkpoint)
     assert not (work / "checkpoint.pt").exists(), "no job may write the shared default"
 
 

@@ -37,9 +37,6 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-# Slow to import (~6 s): it loads torchvision, scipy...
-from torchmetrics.classification import MulticlassAccuracy
-
 NUM_CLASSES = 10
 
 
@@ -125,6 +122,10 @@ def evaluate(model: nn.Module, loader: DataLoader, metrics: list) -> torch.Tenso
 
 
 def compare(rank: int, world_size: int, args, name: str, sampler: Sampler) -> None:
+    # Imported by the ranks only, which use it: it is slow to import (it loads torchvision,
+    # scipy...), and the parent that starts them would wait for it first.
+    from torchmetrics.classification import MulticlassAccuracy
+
     dataset, model = make_test_set(args.size, args.seed)
     # micro: correct / total; the default, macro: the mean of the per-class accuracies
     micro = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
