@@ -32,6 +32,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Imported before init_process_group on purpose: imported later (torchmetrics does, in the
+# ranks), it keeps the group alive past destroy_process_group, and gloo can abort at exit (README).
+import torch.distributed.nn
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
@@ -122,8 +126,8 @@ def evaluate(model: nn.Module, loader: DataLoader, metrics: list) -> torch.Tenso
 
 
 def compare(rank: int, world_size: int, args, name: str, sampler: Sampler) -> None:
-    # Imported by the ranks only, which use it: it is slow to import (it loads torchvision,
-    # scipy...), and the parent that starts them would wait for it first.
+    # Imported in the ranks only: slow to import (torchvision, scipy...), and the process that
+    # starts them has no use for it.
     from torchmetrics.classification import MulticlassAccuracy
 
     dataset, model = make_test_set(args.size, args.seed)
