@@ -272,3 +272,31 @@ def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         return notebook
 
     return run
+
+
+# ---- how pytest-xdist shares the tests out among its workers -----------------------------------
+
+
+def work_unit(nodeid: str) -> str:
+    """Tests that share a costly set-up run in one unit, on one worker: test_failures.py's
+    snapshot runs serve two of its tests, and each worker that runs Slurm tests starts a cluster
+    of its own, so test_slurm.py's tests go in two units, those on one node and those on two
+    (named so). Every other test is a unit of its own."""
+    file, _, name = nodeid.partition("::")
+    if file == "tests/test_failures.py":
+        return file
+    if file == "tests/test_slurm.py" and "without_slurm" not in name:
+        return f"{file}::{'two nodes' if 'two_node' in name else 'one node'}"
+    return nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BigUnitsFirst(LoadScopeScheduling):
+        # Units with more tests are handed out first (xdist's default order): the three big
+        # ones start at once, each on a worker of its own, and the single tests fill in.
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return BigUnitsFirst(config, log)

@@ -99,22 +99,21 @@ def restarted_and_reference(
 ) -> dict[str, tuple[Run, Path, Probe]]:
     """Both runs at once: the restart's waits overlap the other run's work."""
     kill = {"DDP_PROBE_KILL_AT": ":".join(map(str, KILL_AT)), "LOGLEVEL": "INFO"}
+    # Folders made here, not in the threads: pytest's first mktemp makes its base folder.
+    out = {name: tmp_path_factory.mktemp(name) for name in ("reference", "restarted")}
     with ThreadPoolExecutor(2) as pool:
-        reference = pool.submit(snapshot_run, "reference", {}, TORCHRUN_2, tmp_path_factory)
+        reference = pool.submit(snapshot_run, out["reference"], {}, TORCHRUN_2)
         restarted = pool.submit(
-            snapshot_run, "restarted", kill, [*TORCHRUN_2, "--max-restarts=1"], tmp_path_factory
+            snapshot_run, out["restarted"], kill, [*TORCHRUN_2, "--max-restarts=1"]
         )
         return {"reference": reference.result(), "restarted": restarted.result()}
 
 
-def snapshot_run(
-    name: str, extra_env: dict, launcher: list[str], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Run, Path, Probe]:
-    """One 2-rank torchrun run of the snapshot step, with the probe."""
+def snapshot_run(out: Path, extra_env: dict, launcher: list[str]) -> tuple[Run, Path, Probe]:
+    """One 2-rank torchrun run of the snapshot step into `out`, with the probe."""
     # The reference runs with the defaults (no snapshot within an epoch): saving snapshots
     # must not change the training either.
-    flags = SNAPSHOT_EVERY if name == "restarted" else []
-    out = tmp_path_factory.mktemp(name)
+    flags = SNAPSHOT_EVERY if "DDP_PROBE_KILL_AT" in extra_env else []
     (out / "probe").mkdir()
     command = [
         *launcher,
@@ -312,8 +311,8 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 
 # Seconds: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
 # test's own timeout can end the run; long enough for two launches side by side to start (rank 0
-# of mp.spawn was waiting after 17 s with another test running beside them).
-HANG_TIMEOUT = 30
+# of mp.spawn was waiting after 19 s, with the other pytest workers running tests beside them).
+HANG_TIMEOUT = 40
 
 
 def hang(launcher: str, directory: Path) -> tuple[str, float, Probe]:
