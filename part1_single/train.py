@@ -1,4 +1,4 @@
-"""A step of a PyTorch DDP course: train an image classifier. Its folder's README walks the diff."""
+"""A step of a PyTorch DDP course: train an image classifier. See its README."""
 
 import argparse
 import os
@@ -21,69 +21,85 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=128, help="images per step, per process")
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="per process"
+    )
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--model", default="resnet18", help="any timm model name")
-    parser.add_argument("--dataset", choices=["cifar10", "fake"], default="cifar10")
-    parser.add_argument("--fake-size", type=int, default=50_000, help="images in --dataset fake")
+    parser.add_argument("--model", default="resnet18", help="timm's, 32x32 in")
+    parser.add_argument(
+        "--dataset", default="cifar10", choices=["cifar10", "fake"]
+    )
+    parser.add_argument("--fake-size", type=int, default=50_000, help="images")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=0, help="end each epoch early (0: never)")
-    parser.add_argument("--checkpoint", default="checkpoint.pt", help="'' to skip")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="per epoch; 0: all"
+    )
+    parser.add_argument(
+        "--checkpoint", default="checkpoint.pt", help="'': none"
+    )
     args = parser.parse_args()
-    # Bad input, or a folder the run cannot write to, ends here: one line, not a traceback.
+    # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
-        parser.error("--epochs, --batch-size and --fake-size must be at least 1")
+        parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
     if not timm.is_model(args.model):
-        parser.error(f"unknown --model {args.model!r}; timm.list_models() names them all")
+        parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
     for folder in {os.path.dirname(p) or "." for p in [args.checkpoint] if p}:
         try:
             os.makedirs(folder, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()
         except OSError as error:
-            parser.error(f"cannot write to {os.path.abspath(folder)}: {error.strerror}")
+            where = os.path.abspath(folder)
+            parser.error(f"cannot write to {where}: {error.strerror}")
     return args
 
 
 def log(message: str) -> None:
-    # One write per line: lines of processes that share a terminal never interleave.
+    # One write per line: lines of processes sharing a terminal stay whole.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
-    to_tensor = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
-    augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
-    train_tf, test_tf = transforms.Compose(augment + to_tensor), transforms.Compose(to_tensor)
+    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    to_tensor = [transforms.ToTensor(), normalize]
+    flip = transforms.RandomHorizontalFlip()
+    augment = [transforms.RandomCrop(32, padding=4), flip]
+    train_tf = transforms.Compose(augment + to_tensor)
+    test_tf = transforms.Compose(to_tensor)
     if args.dataset == "fake":
         # Random images of CIFAR-10's shape: runs offline, learns nothing.
         size, shape = args.fake_size, (3, 32, 32)
         train = torchvision.datasets.FakeData(size, shape, 10, train_tf)
-        test = torchvision.datasets.FakeData(size // 5, shape, 10, test_tf, random_offset=size)
+        test = torchvision.datasets.FakeData(
+            size // 5, shape, 10, test_tf, random_offset=size
+        )
         return train, test
     try:
-        train = torchvision.datasets.CIFAR10(args.data_dir, True, train_tf, download=download)
-        test = torchvision.datasets.CIFAR10(args.data_dir, False, test_tf, download=download)
+        cifar10 = torchvision.datasets.CIFAR10
+        train = cifar10(args.data_dir, True, train_tf, download=download)
+        test = cifar10(args.data_dir, False, test_tf, download=download)
     except (OSError, RuntimeError) as error:
-        # Offline (a URLError is an OSError), or the files are missing or damaged.
+        # Offline (a URLError is an OSError), or files missing or damaged.
         where = os.path.abspath(args.data_dir)
-        sys.exit(f"error: no CIFAR-10 in {where} ({error}); download it, or use --dataset fake")
+        sys.exit(f"error: no CIFAR-10 in {where} ({error}); try --dataset fake")
     return train, test
 
 
 def build_model(name: str) -> torch.nn.Module:
-    # An ImageNet model from timm, with 10 outputs. Its stem shrinks 32x32 images 4x at once:
-    # fast, and less accurate than a CIFAR-specific stem would be.
+    # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
+    # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
     return timm.create_model(name, num_classes=10)
 
 
-def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: bool):
-    """Returns (summed loss, correct predictions, images) as one tensor on `device`."""
+def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar):
+    """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     steps = min(len(loader), max_steps or len(loader))
-    # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    bar = tqdm(islice(loader, steps), total=steps, leave=False, disable=None if show_bar else True)
+    # disable=None: a progress bar on a terminal only, never in a job's log file
+    batches = islice(loader, steps)
+    bar = tqdm(batches, steps, leave=False, disable=None if show_bar else True)
     for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
@@ -91,7 +107,7 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: a .item() here would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU at every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -100,7 +116,7 @@ def train_one_epoch(model, loader, optimizer, device, max_steps: int, show_bar: 
 
 @torch.no_grad()
 def evaluate(model, loader, device, max_steps: int):
-    """Returns (correct predictions, images) as one tensor on `device`; max_steps=0: all."""
+    """(correct predictions, images) as one tensor on `device`; 0 steps: all."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for images, labels in islice(loader, max_steps or None):
@@ -110,12 +126,13 @@ def evaluate(model, loader, device, max_steps: int):
     return totals
 
 
-def epoch_line(epoch: int, epochs: int, train: list, test: list, seconds: float) -> str:
+def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
     (loss_sum, correct, seen), (test_correct, test_seen) = train, test
     return (
         f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
         f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
-        f" test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}%"
+        f" test_samples={int(test_seen)}"
         f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
     )
 
@@ -125,25 +142,31 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
     log(f"saved checkpoint {path}")
 
 
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace) -> None:
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log(f"device={device} threads={torch.get_num_threads()}")
+    threads = torch.get_num_threads()
+    log(f"device={device} threads={threads}")
 
     train_set, test_set = build_datasets(args, download=True)
     train_loader = DataLoader(train_set, args.batch_size, shuffle=True)
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+    scheduler = cosine(optimizer, T_max=args.epochs)
 
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        totals = train_one_epoch(model, train_loader, optimizer, device, args.max_steps, True)
-        # .tolist() waits until the device has finished the epoch: only then read the clock.
+        show_bar = True
+        totals = train_one_epoch(
+            model, train_loader, optimizer, device, args.max_steps, show_bar
+        )
+        # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
         test = evaluate(model, test_loader, device, args.max_steps).tolist()
@@ -155,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_args())

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 # Lines per script: the spine, the speed step (part 4 plus its lesson), and step 7, which
-# resumes from any step, loader workers included: its lesson is the longest.
-SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 210, 245, 280
+# resumes from any step, loader workers included: its lesson is the longest. At 80 columns
+# (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
+SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 240, 300, 355
+MAX_WIDTH = 80
 
 
 class Claim(Enum):
@@ -108,7 +110,7 @@ STEPS = [
             *("init_process_group", "destroy_process_group", "mp.spawn", "set_device"),
             *("barrier", "gloo", "nccl", "MASTER_ADDR", "rank == 0"),
         ),
-        44,
+        42,
         **SPINE,
         claims=(*SPAWNED, Claim.WHOLE_DATA_EACH, Claim.BARE_LOAD),
     ),
@@ -119,8 +121,8 @@ STEPS = [
         "step 2",
         "python",
         "`DDP(model)`: gradients averaged",
-        ("DDP(", "model.module"),
-        5,
+        ("DDP(",),
+        4,
         **SPINE,
         claims=(*SPAWNED, Claim.WHOLE_DATA_EACH, Claim.IN_SYNC, Claim.PREFIXED),
     ),
@@ -131,8 +133,8 @@ STEPS = [
         "step 3",
         "python",
         "a shard per rank, `set_epoch`, global metrics",
-        ("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset("),
-        14,
+        ("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset(", "model.module"),
+        17,
         **SPINE,
         claims=(*SPAWNED, Claim.SHARDS, Claim.IN_SYNC, Claim.PREFIXED),
     ),
@@ -143,8 +145,8 @@ STEPS = [
         "step 4",
         "python",
         "`cuda:LOCAL_RANK`",
-        ('f"cuda:{local_rank}"', "device_count()"),
-        5,
+        ('f"cuda:{local_rank}"', "device_count()", "local_world_size"),
+        17,
         **SPINE,
         checks_gpus=True,
         claims=(*SPAWNED, Claim.SHARDS, Claim.IN_SYNC, Claim.PREFIXED),
@@ -157,7 +159,7 @@ STEPS = [
         "python",
         "save once, without `module.`",
         ("model.module", "load_state_dict"),
-        5,
+        6,
         **SPINE,
         checks_gpus=True,
         claims=(*SPAWNED, Claim.SHARDS, Claim.IN_SYNC, Claim.NO_PREFIX, Claim.BARE_LOAD),
@@ -170,7 +172,7 @@ STEPS = [
         "torchrun",
         "the launcher says who each process is",
         ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
-        27,
+        32,
         **SPINE,
         checks_gpus=True,
         claims=(
@@ -189,7 +191,7 @@ STEPS = [
             *("autocast", "GradScaler", "channels_last", "compile()", "num_workers"),
             *("pin_memory", "non_blocking", "speed"),
         ),
-        53,
+        77,
         checks_gpus=True,
     ),
     Step(
@@ -203,7 +205,7 @@ STEPS = [
             *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
             *("range(start_epoch", "range(first_step", "args.snapshot"),
         ),
-        88,
+        136,
         max_lines=SNAPSHOT_LINES,
         checks_gpus=True,
     ),

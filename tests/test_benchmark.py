@@ -1,5 +1,5 @@
-"""The benchmark (part4_torchrun/benchmark.py) in its smoke mode: two tiny launches of the real
-scripts, then a well-formed CSV, plot and summary. It checks the pipeline, never a speed."""
+"""The benchmark (part4_torchrun/tools/benchmark.py) in its smoke mode: two tiny launches of the
+real scripts, then a well-formed CSV, plot and summary. It checks the pipeline, never a speed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ COLUMNS = [
 
 
 def test_benchmark_smoke_writes_csv_plot_and_ratios(tmp_path: Path) -> None:
-    command = [PYTHON, "part4_torchrun/benchmark.py", "--smoke", "--out", str(tmp_path)]
+    command = [PYTHON, "part4_torchrun/tools/benchmark.py", "--smoke", "--out", str(tmp_path)]
     run = launch(command, timeout=180)
     with (tmp_path / "results.csv").open(newline="") as f:
         reader = csv.DictReader(f)

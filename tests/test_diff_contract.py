@@ -8,12 +8,11 @@ import difflib
 
 import pytest
 from conftest import REPO
-from course_steps import STEPS, Step
+from course_steps import MAX_WIDTH, STEPS, Step
 
 DIFFS = [s for s in STEPS if s.before]
 TEACHING_SCRIPTS = [s.script for s in STEPS]
 MAX_FLAGS = 11  # the mp.spawn steps: part 1's ten and --nprocs
-MAX_WIDTH = 100
 
 
 def code_lines(path: str) -> list[str]:

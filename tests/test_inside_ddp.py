@@ -219,9 +219,9 @@ def test_helper_style_runs_with_one_or_more_processes(nprocs: int, probe_dir: Pa
             assert sorted(both) == list(range(512))
 
 
-# ---- part4_torchrun/diagnose.py ------------------------------------------------------------
+# ---- part4_torchrun/tools/diagnose.py ------------------------------------------------------------
 
-DIAGNOSE = "part4_torchrun/diagnose.py"
+DIAGNOSE = "part4_torchrun/tools/diagnose.py"
 
 
 def assert_diagnosis_ok(run: Run, world_size: int, launcher: str) -> None:

@@ -1,5 +1,5 @@
 """Part 4's job scripts on a real Slurm cluster (1 or 2 nodes on this machine, started by
-part4_torchrun/slurm_local/cluster.sh), the same multi-node run without Slurm (two torchruns),
+part4_torchrun/slurm/local/cluster.sh), the same multi-node run without Slurm (two torchruns),
 and a failing rank ending the whole job. The tests submit the very files learners submit, with
 sbatch."""
 
@@ -33,7 +33,7 @@ from mnist_data import TEST_DIGITS, TRAIN_DIGITS, mnist_root  # noqa: F401  (mni
 
 pytestmark = pytest.mark.slow
 
-CLUSTER_SCRIPT = REPO / "part4_torchrun" / "slurm_local" / "cluster.sh"
+CLUSTER_SCRIPT = REPO / "part4_torchrun" / "slurm" / "local" / "cluster.sh"
 JOB_TIMEOUT = 240  # seconds; a healthy 4-process job takes ~30 s here, more while other tests run
 FAILURE_DEADLINE = 30  # seconds from a rank's failure to the end of the whole job
 FINISHED = {
@@ -51,10 +51,13 @@ RANK_LINE = re.compile(r"^rank (?P<rank>\d+)/(?P<world>\d+) device=", re.MULTILI
 PER_NODE = 2  # processes per node with the job scripts' defaults
 # Tests that need two nodes say "two_node" in their names: tests/conftest.py runs them on one
 # pytest worker, with a 2-node cluster, and the 1-node tests on another, with a cluster of its own.
-ONE_NODE_JOBS = ["part4_torchrun/job_srun_1node.sbatch", "part4_torchrun/job_torchrun_1node.sbatch"]
+ONE_NODE_JOBS = [
+    "part4_torchrun/slurm/job_srun_1node.sbatch",
+    "part4_torchrun/slurm/job_torchrun_1node.sbatch",
+]
 TWO_NODE_JOBS = [
-    "part4_torchrun/job_srun_2nodes.sbatch",
-    "part4_torchrun/job_torchrun_2nodes.sbatch",
+    "part4_torchrun/slurm/job_srun_2nodes.sbatch",
+    "part4_torchrun/slurm/job_torchrun_2nodes.sbatch",
 ]
 # The exercises' job scripts (solutions/) on real digits, with their processes on one node;
 # job_scaling.sbatch has a 2-node test of its own.
@@ -363,7 +366,9 @@ def test_train_py_tells_the_batch_step_from_an_srun_step(
     assert worlds == [("0", "1")], f"the batch step is a world of one\n{job.describe()}"
     assert len(job.run.epochs()) == 1, job.describe()
     assert "srun exit 1" in job.run.stdout, f"the srun step must fail\n{job.describe()}"
-    error = "error: under srun, export MASTER_ADDR and MASTER_PORT and give --ntasks-per-node"
+    # The variables it lacks, by name, in one line ("[...]" also names SLURM_NTASKS_PER_NODE
+    # where srun was given no --ntasks-per-node)
+    error = "error: under srun, set ['MASTER_ADDR', 'MASTER_PORT'"
     assert job.run.stderr.count(error) == 2, job.describe()
     assert "Traceback" not in job.run.stderr, job.describe()
 
@@ -435,7 +440,7 @@ def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
     with pytest.raises(pytest.fail.Exception) as failure:
         submit(
             cluster,
-            "part4_torchrun/job_srun_1node.sbatch",
+            "part4_torchrun/slurm/job_srun_1node.sbatch",
             tiny_run(tmp_path / "model.pt"),
             tmp_path,
             probe_dir=probe_dir,
@@ -466,8 +471,8 @@ def test_two_node_job_script_trains(
 
 # One process per node, set on the command line (srun) or with the documented variable (torchrun).
 ONE_PER_NODE = {
-    "srun": ("part4_torchrun/job_srun_2nodes.sbatch", ("--ntasks-per-node=1",), {}),
-    "torchrun": ("part4_torchrun/job_torchrun_2nodes.sbatch", (), {"NPROC_PER_NODE": "1"}),
+    "srun": ("part4_torchrun/slurm/job_srun_2nodes.sbatch", ("--ntasks-per-node=1",), {}),
+    "torchrun": ("part4_torchrun/slurm/job_torchrun_2nodes.sbatch", (), {"NPROC_PER_NODE": "1"}),
 }
 
 

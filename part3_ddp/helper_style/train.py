@@ -10,12 +10,13 @@ distributed behaviour lives in another file.
 
 import argparse
 
-# Found next to this file: python puts the script's folder on sys.path.
-import ddp_helpers as ddp
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+# Found next to this file: python puts the script's folder on sys.path.
+import ddp_helpers as ddp
 
 
 def parse_args() -> argparse.Namespace:

@@ -10,13 +10,14 @@ The launcher is found as in part4_torchrun/train.py: torchrun if RANK is set; an
 SLURM_STEP_ID is set (then the job script must export MASTER_ADDR and MASTER_PORT, as the
 job_srun_*.sbatch scripts do); otherwise a world of one process, also inside a batch script.
 
-    python part4_torchrun/diagnose.py
-    torchrun --standalone --nproc_per_node=2 part4_torchrun/diagnose.py
-    NCCL_DEBUG=INFO torchrun --standalone --nproc_per_node=2 part4_torchrun/diagnose.py --timeout 30
+    python part4_torchrun/tools/diagnose.py
+    torchrun --standalone --nproc_per_node=2 part4_torchrun/tools/diagnose.py
+    NCCL_DEBUG=INFO torchrun --standalone --nproc_per_node=2 \
+        part4_torchrun/tools/diagnose.py --timeout 30
     # in a job script:
     export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
     export MASTER_PORT=$((15000 + SLURM_JOB_ID % 2000 * 10))
-    srun --ntasks=2 python part4_torchrun/diagnose.py
+    srun --ntasks=2 python part4_torchrun/tools/diagnose.py
 """
 
 import argparse

@@ -12,11 +12,11 @@ allocator, torch.compile), then --repeats timed epochs, of which it keeps the me
 `samples/s=` values. Speed is judged only as a ratio of two runs of the same invocation: same
 machine, same load. Writes results.csv, results.png and summary.md (table and ratios) to --out.
 
-    python part4_torchrun/benchmark.py --suites flags                # the speed step, CPU
-    python part4_torchrun/benchmark.py --suites flags --batch-size 256 --steps 50   # one GPU
-    python part4_torchrun/benchmark.py --suites scaling              # DDP at 1..cores ranks
-    python part4_torchrun/benchmark.py                               # all: ~30 min on 2 cores
-    python part4_torchrun/benchmark.py --smoke --out /tmp/bench      # 2 tiny runs: does it work?
+    python part4_torchrun/tools/benchmark.py --suites flags                # the speed step, CPU
+    python part4_torchrun/tools/benchmark.py --suites flags --batch-size 256 --steps 50   # one GPU
+    python part4_torchrun/tools/benchmark.py --suites scaling              # DDP at 1..cores ranks
+    python part4_torchrun/tools/benchmark.py                               # all: ~30 min on 2 cores
+    python part4_torchrun/tools/benchmark.py --smoke --out /tmp/bench      # 2 tiny runs: works?
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # label -> (script, how it starts its processes)
 CIFAR_SCRIPTS = {
     "part1": ("part1_single/train.py", "python"),
@@ -118,7 +118,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed epochs per launch")
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs; the median is kept")
     parser.add_argument("--mnist-data", default="data/mnist-5k", help="written if missing")
-    parser.add_argument("--out", default="part4_torchrun/benchmark_results")
+    parser.add_argument("--out", default="part4_torchrun/tools/benchmark_results")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--smoke", action="store_true", help="2 tiny launches: checks the pipeline")
     args = parser.parse_args()

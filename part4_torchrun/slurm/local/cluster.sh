@@ -4,11 +4,11 @@
 #   apt-get install --no-install-recommends slurmctld slurmd slurm-client munge
 #
 # From the repository root:
-#   part4_torchrun/slurm_local/cluster.sh start 2   # idempotent; 2 nodes, restarts if it had 1
-#   eval "$(part4_torchrun/slurm_local/cluster.sh env)"   # SLURM_CONF for sbatch, srun, squeue
-#   sbatch --wait part4_torchrun/job_srun_2nodes.sbatch --dataset fake --epochs 1
-#   part4_torchrun/slurm_local/cluster.sh status    # exit 0 when up
-#   part4_torchrun/slurm_local/cluster.sh stop      # cancels its jobs, stops only its daemons
+#   part4_torchrun/slurm/local/cluster.sh start 2   # idempotent; 2 nodes, restarts if it had 1
+#   eval "$(part4_torchrun/slurm/local/cluster.sh env)"   # SLURM_CONF for sbatch, srun, squeue
+#   sbatch --wait part4_torchrun/slurm/job_srun_2nodes.sbatch --dataset fake --epochs 1
+#   part4_torchrun/slurm/local/cluster.sh status    # exit 0 when up
+#   part4_torchrun/slurm/local/cluster.sh stop      # cancels its jobs, stops only its daemons
 #
 # Everything (config, munge key and socket, state, logs, pid files) lives in one private
 # directory, DDP_SLURM_DIR (default /tmp/ddp-course-slurm). Ports: DDP_SLURM_PORT for the
