@@ -151,6 +151,8 @@ def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints() -> None:
         assert math.isclose(reduced_value, sum(per_rank), abs_tol=1e-5), "reduce(SUM): the sum"
         assert not math.isclose(reduced_value, mean, rel_tol=0.1), "... which is not the average"
         assert math.isclose(float(averaged["all_reduce_then_divide"]), mean, abs_tol=1e-5)
+        # gloo accepts ReduceOp.AVG (older torch raised on it): the same mean.
+        assert math.isclose(float(averaged["all_reduce_avg"]), mean, abs_tol=1e-5)
         assert accuracy["gathered"] == "64", "predictions of both ranks gathered"
         assert accuracy["acc"] == f"{100 * int(accuracy['correct']) / 64:.2f}%"
 
@@ -170,9 +172,15 @@ def test_ddp_equals_one_big_batch_until_batchnorm() -> None:
 def test_allreduce_by_hand_naive_and_ring_equal_dist_all_reduce() -> None:
     # 3 ranks
     run = experiment("allreduce_by_hand.py", "--sizes", "256,65536", "--repeats", "2")
-    assert_only_lines(run, "grad_averaging", "check", "time")
+    assert_only_lines(run, "grad_averaging", "fp16_grad", "check", "time")
     (grads,) = records(run, "grad_averaging")
     assert float(grads["max_abs_diff_vs_ddp"]) < 1e-12, "averaging .grad by hand = DDP"
+    # A float16 gradient of 40000 on 3 ranks: the sum (120000) overflows float16 (max 65504).
+    # DDP divides each gradient by the world size before summing, so its mean stays finite.
+    (fp16,) = records(run, "fp16_grad")
+    assert float(fp16["ddp"]) == float(fp16["divide_then_sum"]) == 40000, fp16
+    assert float(fp16["sum_then_divide"]) == math.inf, "summing first overflows"
+    assert float(fp16["avg_op"]) == math.inf, "gloo's AVG is a SUM, then a division"
     checks = records(run, "check")
     checked = {(r["algorithm"], r["numel"]) for r in checks}
     assert checked == {(a, n) for a in ("naive", "ring") for n in ("1", "7", "1000")}

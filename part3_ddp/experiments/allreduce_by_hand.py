@@ -1,8 +1,16 @@
 """What DDP does under the hood, by hand: all-reduce the gradients.
 
-Part A: after `loss.backward()`, all-reduce every `.grad` (SUM) and divide by the world size.
-That is all DDP does to gradients (it overlaps it with the backward pass, in buckets), so a
-model trained this way stays equal to a DDP model trained on the same data.
+Part A: after `loss.backward()`, divide every `.grad` by the world size, then all-reduce it
+(SUM). That is what DDP does to gradients by default (it overlaps it with the backward pass, in
+buckets, and divides while it copies each gradient into its bucket), so a model trained this
+way stays equal to a DDP model trained on the same data. The order matters in float16: a sum
+of N gradients can overflow (float16's largest value is 65504) where the sum of N gradients
+already divided by N does not. The reducer does the division first "to avoid overflow,
+especially for FP16", in the words of DDP's default hook:
+https://github.com/pytorch/pytorch/blob/main/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py
+Part A shows it with one float16 gradient of 40000 on every
+rank: DDP and divide-then-sum give 40000; sum-then-divide and gloo's `ReduceOp.AVG` (a SUM,
+then a division) give inf.
 
 Part B: all-reduce itself, written twice with point-to-point messages:
 - naive: every rank sends its tensor to rank 0, rank 0 sums and broadcasts the result. Rank 0
@@ -10,7 +18,8 @@ Part B: all-reduce itself, written twice with point-to-point messages:
 - ring: the ranks form a ring and pass 1/N-sized chunks to their right-hand neighbour. N - 1
   steps of reduce-scatter leave each rank with one fully summed chunk; N - 1 steps of
   all-gather pass the summed chunks round. Every rank sends 2 (N - 1) / N of the tensor,
-  whatever N is: the reason rings scale (gloo uses one; NCCL picks rings or trees).
+  whatever N is: the reason rings scale (gloo's default all-reduce is a ring; NCCL picks
+  among rings, trees and, where the hardware has them, NVLS, CollNet and PAT).
 Both are checked against `dist.all_reduce` and timed over message sizes.
 
     python part3_ddp/experiments/allreduce_by_hand.py
@@ -18,6 +27,7 @@ Both are checked against `dist.all_reduce` and timed over message sizes.
 
 Evidence lines:
     grad_averaging ranks=3 steps=5 max_abs_diff_vs_ddp=5.551e-17
+    fp16_grad ranks=3 grad=40000 ddp=40000 divide_then_sum=40000 sum_then_divide=inf avg_op=inf
     check algorithm=ring numel=1000 max_abs_diff_vs_all_reduce=8.882e-16
     time numel=65536 bytes=262144 builtin_ms=2.370 naive_ms=1.337 ring_ms=7.521 ...
 
@@ -92,9 +102,10 @@ def average_gradients(model: nn.Module) -> None:
     world_size = dist.get_world_size()
     for param in model.parameters():
         if param.grad is not None:
-            # One message per tensor: DDP packs them into buckets.
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            # Divide first, then sum, in DDP's order. One message per tensor: DDP packs them
+            # into buckets.
             param.grad /= world_size
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
 
 def hand_vs_ddp(rank: int, seed: int, steps: int = 5) -> float:
@@ -120,6 +131,27 @@ def hand_vs_ddp(rank: int, seed: int, steps: int = 5) -> float:
             optimizer.step()
     pairs = zip(by_hand.parameters(), ddp.module.parameters(), strict=True)
     return max((p - q).abs().max().item() for p, q in pairs)
+
+
+def fp16_order(grad: float = 40000.0) -> dict[str, float]:
+    """The same float16 gradient on every rank, averaged four ways. Its sum overflows float16
+    (max 65504) from 2 ranks on; the sum of the gradients already divided by N does not."""
+    world_size = dist.get_world_size()
+    # One weight, input `grad`: d(w * x)/dw = x, so every rank's gradient is `grad`.
+    model = DDP(nn.Linear(1, 1, bias=False).half())
+    model(torch.full((1, 1), grad, dtype=torch.float16)).sum().backward()
+    results = {"ddp": model.module.weight.grad.item()}
+    divided = torch.full((1,), grad, dtype=torch.float16) / world_size
+    dist.all_reduce(divided, op=dist.ReduceOp.SUM)
+    results["divide_then_sum"] = divided.item()
+    summed = torch.full((1,), grad, dtype=torch.float16)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    results["sum_then_divide"] = (summed / world_size).item()
+    # gloo's AVG: a SUM, then a division (it overflows too).
+    averaged = torch.full((1,), grad, dtype=torch.float16)
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    results["avg_op"] = averaged.item()
+    return results
 
 
 # ---- Part B: all-reduce from send/recv ----------------------------------------------------
@@ -224,6 +256,10 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     diff = hand_vs_ddp(rank, args.seed)
     if rank == 0:
         log(f"grad_averaging ranks={world_size} steps=5 max_abs_diff_vs_ddp={diff:.3e}")
+    fp16 = fp16_order()
+    if rank == 0:
+        values = " ".join(f"{name}={value:g}" for name, value in fp16.items())
+        log(f"fp16_grad ranks={world_size} grad=40000 {values}")
     check(rank, args.seed)
     benchmark(rank, [int(s) for s in args.sizes.split(",")], args.repeats)
     dist.destroy_process_group()

@@ -3,9 +3,11 @@
 Every rank computes its loss and accuracy on its own shard of the batch; those numbers
 describe one rank, not the model. To report the model's numbers:
 
-- average a scalar with `all_reduce(SUM)` and divide by the world size. `dist.reduce` to rank
-  0 with SUM leaves the *sum* on rank 0 (world size times too large), and leaves the other
-  ranks' tensors undefined: reduce a copy, never the tensor you still need.
+- average a scalar with `all_reduce(op=ReduceOp.AVG)`, or with `all_reduce(SUM)` and a
+  division by the world size. NCCL has AVG since NCCL 2.10; gloo since March 2025
+  (https://github.com/pytorch/pytorch/pull/149781; both are shown here, with torch 2.15).
+  `dist.reduce` to rank 0 with SUM leaves the *sum* on rank 0 (world size times too large),
+  and leaves the other ranks' tensors undefined: reduce a copy, never the tensor you need.
 - gather per-sample results (here: was the prediction right?) with `all_gather`, then count
   over the concatenation. all_gather needs the same shape on every rank.
 - print on the primary rank only: one line per step, not one per rank.
@@ -16,7 +18,7 @@ describe one rank, not the model. To report the model's numbers:
 Evidence lines (all from rank 0):
     losses step=0 per_rank=1.394221,1.388377      each rank's own loss (gathered to print it)
     reduce step=0 op=SUM dst=0 value=2.782598     what rank 0 holds after dist.reduce
-    average step=0 all_reduce_then_divide=1.391299   every rank, after all_reduce / N
+    average step=0 all_reduce_then_divide=1.391299 all_reduce_avg=1.391299   every rank
     accuracy step=0 gathered=64 correct=16 acc=25.00%   predictions of all ranks
 """
 
@@ -84,9 +86,15 @@ def print_primary(message: str) -> None:
 def average(value: torch.Tensor) -> torch.Tensor:
     """The mean over ranks, on every rank. A copy: the caller's tensor keeps this rank's value."""
     total = value.detach().clone()
-    # gloo has no AVG (NCCL has): SUM, then divide.
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total / dist.get_world_size()
+
+
+def average_op(value: torch.Tensor) -> torch.Tensor:
+    """The same mean with ReduceOp.AVG (gloo accepts it since March 2025; see the top)."""
+    mean = value.detach().clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    return mean
 
 
 def reduce_to_primary(value: torch.Tensor) -> torch.Tensor:
@@ -124,12 +132,16 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         per_rank = gather(loss.detach().reshape(1))
         summed = reduce_to_primary(loss)
         mean = average(loss)
+        mean_avg = average_op(loss)
         # One bool per sample of every rank.
         correct = gather(logits.argmax(1) == y)
         losses = ",".join(f"{v:.6f}" for v in per_rank.tolist())
         print_primary(f"losses step={step} per_rank={losses}")
         print_primary(f"reduce step={step} op=SUM dst=0 value={summed.item():.6f}")
-        print_primary(f"average step={step} all_reduce_then_divide={mean.item():.6f}")
+        print_primary(
+            f"average step={step} all_reduce_then_divide={mean.item():.6f}"
+            f" all_reduce_avg={mean_avg.item():.6f}"
+        )
         print_primary(
             f"accuracy step={step} gathered={correct.numel()} correct={int(correct.sum())}"
             f" acc={100 * correct.float().mean().item():.2f}%"

@@ -84,11 +84,13 @@ def setup_process_group(rank: int, world_size: int) -> None:
 def counting_allreduce_hook(
     calls: list[int], bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """What DDP does by default (all-reduce, then divide by the world size), plus a tally."""
+    """What DDP does by default (divide by the world size, then all-reduce: the sum of
+    gradients already divided does not overflow where their sum can), plus a tally. With a
+    hook registered, DDP leaves the division to the hook."""
     calls[0] += 1
-    world_size = dist.get_world_size()
+    bucket.buffer().div_(dist.get_world_size())
     work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda future: future.value()[0] / world_size)
+    return work.get_future().then(lambda future: future.value()[0])
 
 
 def train(rank: int, args: argparse.Namespace, mode: str) -> tuple[nn.Module, int]:

@@ -53,7 +53,8 @@ def setup_process_group(rank: int, world_size: int) -> None:
                 f"error: {world_size} processes, {torch.cuda.device_count()} GPU(s): start at"
                 " most one per GPU, or run on CPUs with CUDA_VISIBLE_DEVICES=''"
             )
-        # Before init_process_group: else every rank would use GPU 0.
+        # Before any CUDA work or collective: else "cuda" means GPU 0 in every rank, and NCCL
+        # (which creates its communicator at the first collective) uses GPU 0 for all of them.
         torch.cuda.set_device(rank)
     elif "OMP_NUM_THREADS" not in os.environ:
         # The processes share the machine's cores: more threads than cores is slower.

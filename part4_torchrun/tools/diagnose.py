@@ -53,6 +53,7 @@ HINTS = {
         "several network interfaces? pick one: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME"
         " (see `ip addr`)",
         "NCCL_DEBUG=INFO prints what NCCL tried; --timeout shortens the wait",
+        "on GPUs this step also creates NCCL's communicator (device_id=): NCCL errors show here",
     ],
     "all_reduce": [
         "NCCL_DEBUG=INFO shows the transport NCCL chose between GPUs and nodes",
@@ -139,7 +140,8 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if local_rank >= torch.cuda.device_count():
         gpus = torch.cuda.device_count()
         raise RuntimeError(f"local rank {local_rank} but only {gpus} visible GPU(s)")
-    # Before init_process_group: else every rank would use GPU 0.
+    # Before any CUDA work or collective: else every rank's "cuda" is GPU 0, and NCCL, which
+    # creates its communicator at the first collective, would put every rank on GPU 0.
     torch.cuda.set_device(local_rank)
     return torch.device(f"cuda:{local_rank}")
 
@@ -195,12 +197,17 @@ def run_checks(args: argparse.Namespace) -> int:
             # The processes on this machine share its cores.
             torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
         with step("init_process_group"):
+            # device_id binds the group to this GPU, and NCCL then creates its communicator
+            # here (without it: at the first collective), so that an NCCL failure is reported
+            # at this step. On CPUs it is left out. (init_process_group's documentation:
+            # https://pytorch.org/docs/stable/distributed.html#torch.distributed.init_process_group)
             dist.init_process_group(
                 backend,
                 init_method="env://",
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=args.timeout),
+                device_id=device if device.type == "cuda" else None,
             )
         with step("all_reduce"):
             value = torch.tensor([rank + 1.0], device=device)
