@@ -11,7 +11,7 @@ from enum import Enum
 
 # Lines per script: the spine, the speed step (part 4 plus its lesson), and step 7, which
 # resumes from any step, loader workers included: its lesson is the longest.
-SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 210, 245, 280
+SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 210, 247, 283
 
 
 class Claim(Enum):
@@ -189,7 +189,7 @@ STEPS = [
             *("autocast", "GradScaler", "channels_last", "compile()", "num_workers"),
             *("pin_memory", "non_blocking", "speed"),
         ),
-        53,
+        55,
         checks_gpus=True,
     ),
     Step(
@@ -203,7 +203,7 @@ STEPS = [
             *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
             *("range(start_epoch", "range(first_step", "args.snapshot"),
         ),
-        88,
+        91,
         max_lines=SNAPSHOT_LINES,
         checks_gpus=True,
     ),
