@@ -275,6 +275,9 @@ def main(args: argparse.Namespace) -> None:  # step 6
     train_loader = StatefulDataLoader(
         train_set, args.batch_size, sampler=sampler, num_workers=args.workers
     )
+    # Not fork: a fork while other threads hold a lock can hang the worker.
+    if args.workers:
+        train_loader.multiprocessing_context = "forkserver"
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)

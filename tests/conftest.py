@@ -100,6 +100,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def with_environ(entry: str) -> list[int]:
+    """Live processes whose environment holds `entry` ("NAME=value"): a launch's processes,
+    orphans and loader workers included, whoever their parent is now."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if entry.encode() in environ.read_bytes().split(b"\0"):
+                pid = int(environ.parent.name)
+                if alive(pid):
+                    found.append(pid)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def kill_tree(pid: int) -> list[int]:
     """SIGKILL `pid`, its process group and every descendant; returns the pids killed."""
     victims = [pid, *descendants(pid)]

@@ -191,7 +191,7 @@ STEPS = [
             *("autocast", "GradScaler", "channels_last", "compile()", "num_workers"),
             *("pin_memory", "non_blocking", "speed"),
         ),
-        77,
+        79,
         checks_gpus=True,
     ),
     Step(
@@ -205,7 +205,7 @@ STEPS = [
             *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
             *("range(start_epoch", "range(first_step", "args.snapshot"),
         ),
-        136,
+        139,
         max_lines=SNAPSHOT_LINES,
         checks_gpus=True,
     ),

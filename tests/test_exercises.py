@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
+from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch, with_environ
 from mnist_data import (  # noqa: F401  (the *_root names are pytest fixtures)
     GRADED_TEST,
     SMALL_TEST,
@@ -131,12 +131,13 @@ def train(
     probe_dir: Path,
     epochs: int,
     digits: tuple[int, int] = (TRAIN_DIGITS, GRADED_TEST),
+    collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
 ) -> Training:
     checkpoint = tmp_path / "ckpt" / "mnist_cnn.pt"
     script = REPO / script
     script_args = [str(script), *TRAIN_ARGS, "--epochs", str(epochs)]
     script_args += ["--data-dir", str(data), "--checkpoint", str(checkpoint)]
-    env = {"DDP_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
+    env = {"DDP_TIMEOUT_S": str(collective_timeout_s)}
     if launcher == "torchrun":
         command = [TORCHRUN, "--standalone", f"--nproc_per_node={WORLD}", *script_args]
     else:
@@ -234,6 +235,32 @@ def collective_only_some_reach(t: Training) -> str | None:
     return None
 
 
+def worker_hung(t: Training) -> str | None:
+    """A rank whose last record is a batch it handed to its loader's worker processes, while
+    another rank waited in a collective: it waited for a worker that never answered. A worker
+    forked (Linux's default start) while another thread of the rank held a lock can hang so,
+    in a correct script."""
+    calls: dict[int, list[dict]] = {}
+    for e in t.probe.events("collective"):
+        calls.setdefault(e["pid"], []).append(e)
+    for rank, pid in sorted(pids_by_rank(t).items()):
+        last = ([r for r in t.probe.records if r["pid"] == pid] or [{}])[-1]
+        mine = len(calls.get(pid, []))
+        ahead = [seen[-1] for p, seen in calls.items() if len(seen) > mine]
+        if last.get("event") == "batch" and last["workers"] and ahead:
+            other = ahead[0]
+            return (
+                f"a DataLoader worker process hung (fork after threads): rank {rank} handed a"
+                f" batch to its loader's worker processes ({last['start']}) and never got it"
+                f" back, while rank {other['rank']} waited in dist.{other['name']}() at line"
+                f" {other['line']}. Not the collective's fault: a worker forked while another"
+                " thread (gloo's, a loader's, tqdm's) held a lock can wait for it forever."
+                " Give the DataLoaders that have workers"
+                ' multiprocessing_context="forkserver", and run again'
+            )
+    return None
+
+
 def first_error(run: Run) -> str | None:
     """The first exception line of any rank (torchrun prefixes them with [rankN]:)."""
     pattern = re.compile(r"^(\[rank\d+\]:)?\s*(\w[\w.]*(Error|Exception)\b.*|terminate called.*)$")
@@ -253,7 +280,7 @@ def check_runs(t: Training) -> str | None:
         else f"the job failed (exit {t.run.returncode})"
     )
     error = first_error(t.run)
-    cause = collective_only_some_reach(t)
+    cause = worker_hung(t) or collective_only_some_reach(t)
     return "; ".join(filter(None, [cause, ended + (f": {error}" if error else "")]))
 
 
@@ -539,6 +566,9 @@ def test_autograde(
     # Graded as a learner runs it: loader worker processes feed the DistributedSampler's batches.
     workers = {e["workers"] for e in training.probe.events("batch") if e["loader"] == 0}
     assert workers and 0 not in workers, f"training loader worker processes: {workers}"
+    # Neither loader forks its workers from the rank, whose threads may hold locks.
+    starts = {e["loader"]: e["start"] for e in training.probe.events("batch")}
+    assert "fork" not in starts.values(), f"start method of each loader's workers: {starts}"
 
 
 def failing(findings: list[Finding]) -> dict[str, str]:
@@ -663,6 +693,65 @@ def test_grader_names_planted_mistakes(
         assert text.startswith("run: step 5? rank 0 called dist.barrier()"), text
         assert "never reached it" in text.splitlines()[0], text
         assert "Error" in text.splitlines()[0], "the failing rank's exception, in the headline"
+
+
+# A test-loader worker of rank 1 that never answers (its worker_init_fn waits as long as its
+# parent lives), as a worker forked while another thread of the rank held a lock does.
+STUCK_WORKER = [
+    (
+        "class Net(nn.Module):",
+        "def stuck(worker_id):\n    parent = os.getppid()\n    while os.getppid() == parent:\n"
+        "        time.sleep(0.2)\n\n\nclass Net(nn.Module):",
+    ),
+    (
+        "    test_loader = DataLoader(test_set, 1000, **kwargs)",
+        "    test_loader = DataLoader(test_set, 1000, **kwargs,"
+        " worker_init_fn=stuck if rank == 1 else None)",
+    ),
+]
+
+
+def test_grader_tells_a_hung_loader_worker_from_a_collective_some_ranks_skip(
+    small_root: Path,  # noqa: F811
+    tmp_path: Path,
+    probe_dir: Path,
+) -> None:
+    """A correct script whose loader worker hangs: rank 0 waits in the test all_reduce until
+    its timeout. The report blames the worker, not the placement of the collective."""
+    script = plant(STUCK_WORKER, tmp_path / "stuck_worker.py")
+    digits = (SMALL_TRAIN, SMALL_TEST)
+    training = train("srun", script, small_root, tmp_path, probe_dir, 1, digits, 10)
+    text = report(grade(training, "srun"), training)
+    headline = text.splitlines()[0]
+    assert headline.startswith("run: a DataLoader worker process hung (fork after threads)"), text
+    assert 'multiprocessing_context="forkserver"' in headline, text
+    assert "if rank == 0" not in headline, text
+    # Nothing of the run is left, the stuck worker included.
+    left = with_environ(f"DDP_PROBE_DIR={probe_dir}")
+    assert not left, f"processes left running: {left}\n{text}"
+
+
+def test_solution_loaders_finish_beside_a_cpu_load(
+    small_root: Path,  # noqa: F811
+    tmp_path: Path,
+    probe_dir: Path,
+) -> None:
+    """Two short runs of the torchrun solution with its loader workers, while another process
+    keeps a core busy: each finishes, and no loader forks its workers from a rank (a fork
+    while gloo's, the loaders' or tqdm's threads hold a lock can hang the worker)."""
+    busy = subprocess.Popen([PYTHON, "-c", "while True: pass"], start_new_session=True)
+    try:
+        for attempt in range(2):
+            probe = probe_dir / str(attempt)
+            probe.mkdir()
+            digits = (SMALL_TRAIN, SMALL_TEST)
+            t = train("torchrun", SOLUTIONS["torchrun"], small_root, tmp_path, probe, 1, digits)
+            assert t.run.returncode == 0, t.run.describe()
+            starts = {(e["loader"], e["workers"], e["start"]) for e in t.probe.events("batch")}
+            assert {start for _, _, start in starts} == {"forkserver"}, starts
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 # ---- the data step ----

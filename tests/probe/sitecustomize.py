@@ -13,9 +13,11 @@ and "time". The events:
 - node        {node, local_rank}     after init_process_group: the node is SLURMD_NODENAME under
               Slurm, else DDP_PROBE_NODE (a test's name for a launcher it started), else the host
               name; the local rank is the launcher's (LOCAL_RANK, else SLURM_LOCALID)
-- batch       {loader, workers, pass, indices, samples}  every batch a loader's batch sampler
+- batch       {loader, workers, start, pass, indices, samples}  every batch a loader's batch sampler
               hands out: loader = the loader's creation order in this process, workers = its
-              num_workers (loader processes), pass = how many times it was
+              num_workers (loader processes), start = how they are started (the
+              multiprocessing start method: fork, forkserver, spawn; None without workers),
+              pass = how many times it was
               iterated before (for torchdata's StatefulDataLoader: its sampler's epoch), indices =
               what the sampler drew, samples = those indices in the underlying data set (through
               any Subset)
@@ -55,6 +57,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 
 PROBE_DIR = os.environ.get("DDP_PROBE_DIR")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce")
@@ -106,6 +109,24 @@ def in_dataset(index, maps: list) -> int:
     for indices in maps:
         index = indices[index]
     return int(index)
+
+
+def start_method(loader, workers: int) -> str | None:
+    """How the loader's worker processes start: its multiprocessing_context's method (read at
+    each batch, as a script may set it after building the loader), else multiprocessing's
+    default."""
+    if not workers:
+        return None
+    import multiprocessing
+
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is not None:
+        return context.get_start_method()
+    # (asked without fixing it: the first method listed is the default)
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or (multiprocessing.get_all_start_methods()[0])
+    )
 
 
 def _install() -> None:
@@ -204,6 +225,7 @@ def _install() -> None:
                 self.batch_sampler._probe_pass = 0
                 self.batch_sampler._probe_maps = subset_maps(self.dataset)
                 self.batch_sampler._probe_workers = self.num_workers
+                self.batch_sampler._probe_owner = weakref.ref(self)
             loader_count[0] += 1
 
         return loader_init
@@ -221,6 +243,7 @@ def _install() -> None:
             "batch",
             loader=loader,
             workers=workers,
+            start=start_method(sampler._probe_owner(), workers),
             indices=indices,
             samples=samples,
             **{"pass": pass_number},

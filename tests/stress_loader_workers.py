@@ -1,0 +1,148 @@
+"""Stress harness (a tool, not a test): many short 2-process torchrun launches of a training
+script on real MNIST digits, optionally beside a CPU load, counting the launches that stall.
+
+A stall is a launch still running after --timeout seconds. Before it is killed, every process
+of the launch dumps its Python stacks (faulthandler, on SIGUSR1) into the launch's log, so a
+stuck DataLoader worker shows where it waits. Each launch runs in its own session and carries a
+marker in its environment: on a timeout, everything with the marker is killed (torchrun starts
+its workers in sessions of their own, and an orphaned loader worker leaves its parent's tree),
+and the harness checks that nothing is left.
+
+    python tests/stress_loader_workers.py -n 40 --load 1
+    python tests/stress_loader_workers.py -n 40 --load 1 --script old_version.py --workers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import PYTHON, REPO, TORCHRUN, with_environ
+from mnist_data import first_digits, get_mnist_subset
+
+# Imported at start-up by every process of a launch (PYTHONPATH): stacks on SIGUSR1. A fork
+# inherits the handler, so a loader worker that never reached its loop dumps too.
+DUMP_ON_SIGNAL = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1)\n"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--launches", type=int, default=20)
+    parser.add_argument(
+        "--script", default="solutions/mnist_classify_ddp_torchrun.py", help="torchrun-style"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="the script's --workers")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--train-digits", type=int, default=400)
+    parser.add_argument("--test-digits", type=int, default=99)
+    parser.add_argument("--load", type=int, default=0, help="busy processes beside the launches")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds per launch")
+    parser.add_argument("--logs", default=None, help="folder for the stalled launches' output")
+    return parser.parse_args()
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def launch(args: argparse.Namespace, data: Path, hooks: Path, workdir: Path) -> tuple[str, str]:
+    """One launch: ("ok" | "stall" | "failed", its stderr)."""
+    marker = f"STRESS_LAUNCH={uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env |= {
+        "PYTHONPATH": str(hooks),
+        # A rank left waiting in a collective waits past the launch's timeout: a stall is
+        # caught while every process still sits where it stuck.
+        "DDP_TIMEOUT_S": str(int(args.timeout) + 60),
+        marker.split("=")[0]: marker.split("=")[1],
+    }
+    script_args = ["--epochs", str(args.epochs), "--workers", str(args.workers)]
+    script_args += ["--batch-size", "32", "--data-dir", str(data), "--checkpoint", ""]
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", args.script, *script_args]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=args.timeout)
+        outcome = "ok" if process.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        signal_all(with_environ(marker), signal.SIGUSR1)
+        time.sleep(2)
+        outcome, stderr = "stall", ""
+    # Whatever is left (a stall, or an orphaned worker of a failed launch) is killed.
+    for _ in range(20):
+        left = with_environ(marker)
+        if not left:
+            break
+        signal_all(left, signal.SIGKILL)
+        time.sleep(0.5)
+    else:
+        sys.exit(f"processes {left} survived SIGKILL")
+    if outcome == "stall":
+        _, stderr = process.communicate(timeout=30)
+    return outcome, stderr
+
+
+def main() -> None:
+    args = parse_args()
+    args.script = str(Path(args.script).resolve())
+    workdir = Path(tempfile.mkdtemp(prefix="stress-"))
+    logs = Path(args.logs) if args.logs else workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    hooks = workdir / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(DUMP_ON_SIGNAL)
+    full = get_mnist_subset.write_mnist(workdir / "mnist")
+    data = first_digits(full, workdir / "data", args.train_digits, args.test_digits)
+    busy = [
+        subprocess.Popen([PYTHON, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(args.load)
+    ]
+    counts = {"ok": 0, "stall": 0, "failed": 0}
+    seconds = []
+    try:
+        bar = tqdm(range(args.launches), unit="launch")
+        for number in bar:
+            start = time.perf_counter()
+            outcome, stderr = launch(args, data, hooks, workdir)
+            seconds.append(time.perf_counter() - start)
+            counts[outcome] += 1
+            if outcome != "ok":
+                (logs / f"{number:03d}-{outcome}.log").write_text(stderr)
+            bar.set_postfix(counts)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    ok_seconds = sorted(s for s in seconds if s < args.timeout)
+    median = ok_seconds[len(ok_seconds) // 2] if ok_seconds else float("nan")
+    print(
+        f"{args.launches} launches of {args.script} --workers {args.workers}"
+        f" beside {args.load} busy process(es) on {len(os.sched_getaffinity(0))} cores:"
+        f" {counts['ok']} ok, {counts['stall']} stalled (> {args.timeout:g} s),"
+        f" {counts['failed']} failed; median launch {median:.1f} s; logs in {logs}"
+    )
+    sys.exit(1 if counts["stall"] or counts["failed"] else 0)
+
+
+if __name__ == "__main__":
+    main()
