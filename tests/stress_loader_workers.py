@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the launches")
     parser.add_argument("--timeout", type=float, default=60, help="seconds per launch")
     parser.add_argument("--logs", default=None, help="folder for the stalled launches' output")
+    parser.add_argument("--minutes", type=float, default=None, help="start no launch after")
     return parser.parse_args()
 
 
@@ -119,9 +120,14 @@ def main() -> None:
     ]
     counts = {"ok": 0, "stall": 0, "failed": 0}
     seconds = []
+    # A SIGTERM (timeout(1), a job's end) ends the run as Ctrl-C would: the load is stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    deadline = time.monotonic() + 60 * args.minutes if args.minutes else float("inf")
     try:
         bar = tqdm(range(args.launches), unit="launch")
         for number in bar:
+            if time.monotonic() > deadline:
+                break
             start = time.perf_counter()
             outcome, stderr = launch(args, data, hooks, workdir)
             seconds.append(time.perf_counter() - start)
@@ -136,7 +142,7 @@ def main() -> None:
     ok_seconds = sorted(s for s in seconds if s < args.timeout)
     median = ok_seconds[len(ok_seconds) // 2] if ok_seconds else float("nan")
     print(
-        f"{args.launches} launches of {args.script} --workers {args.workers}"
+        f"{len(seconds)} launches of {args.script} --workers {args.workers}"
         f" beside {args.load} busy process(es) on {len(os.sched_getaffinity(0))} cores:"
         f" {counts['ok']} ok, {counts['stall']} stalled (> {args.timeout:g} s),"
         f" {counts['failed']} failed; median launch {median:.1f} s; logs in {logs}"

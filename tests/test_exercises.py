@@ -695,13 +695,13 @@ def test_grader_names_planted_mistakes(
         assert "Error" in text.splitlines()[0], "the failing rank's exception, in the headline"
 
 
-# A test-loader worker of rank 1 that never answers (its worker_init_fn waits as long as its
-# parent lives), as a worker forked while another thread of the rank held a lock does.
+# A test-loader worker of rank 1 that does not answer for 30 s (its worker_init_fn waits), as
+# a worker forked while another thread of the rank held a lock does, forever.
 STUCK_WORKER = [
     (
         "class Net(nn.Module):",
-        "def stuck(worker_id):\n    parent = os.getppid()\n    while os.getppid() == parent:\n"
-        "        time.sleep(0.2)\n\n\nclass Net(nn.Module):",
+        "def stuck(worker_id):\n    end = time.time() + 30\n"
+        "    while time.time() < end:\n        time.sleep(0.2)\n\n\nclass Net(nn.Module):",
     ),
     (
         "    test_loader = DataLoader(test_set, 1000, **kwargs)",
@@ -711,6 +711,7 @@ STUCK_WORKER = [
 ]
 
 
+@pytest.mark.slow
 def test_grader_tells_a_hung_loader_worker_from_a_collective_some_ranks_skip(
     small_root: Path,  # noqa: F811
     tmp_path: Path,
