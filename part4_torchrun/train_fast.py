@@ -222,7 +222,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
         # Not fork: a fork while other threads hold a lock can hang the worker.
-        multiprocessing_context="forkserver" if args.workers else None,
+        multiprocessing_context="spawn" if args.workers else None,
     )
     train_loader = DataLoader(
         train_set, args.batch_size, sampler=sampler, **loading

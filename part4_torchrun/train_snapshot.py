@@ -277,7 +277,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
     )
     # Not fork: a fork while other threads hold a lock can hang the worker.
     if args.workers:
-        train_loader.multiprocessing_context = "forkserver"
+        train_loader.multiprocessing_context = "spawn"
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)

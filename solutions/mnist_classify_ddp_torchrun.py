@@ -99,7 +99,7 @@ def build_loaders(args: argparse.Namespace, rank: int, world_size: int):  # step
     # Persistent workers start once, not every epoch: a fork per epoch is slow, and can hang.
     kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
     # Not fork: a fork while other threads hold a lock can hang the worker.
-    kwargs["multiprocessing_context"] = "forkserver" if args.workers else None
+    kwargs["multiprocessing_context"] = "spawn" if args.workers else None
     # pin_memory: page-locked host memory makes copies to the GPU faster
     kwargs["pin_memory"] = torch.cuda.is_available()
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **kwargs)  # step 3

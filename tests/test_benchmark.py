@@ -4,10 +4,12 @@ real scripts, then a well-formed CSV, plot and summary. It checks the pipeline, 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, launch
+from conftest import PYTHON, REPO, launch
 from course_steps import PART1, STEP6
 
 COLUMNS = [
@@ -15,6 +17,7 @@ COLUMNS = [
     *("threads_seen", "batch_per_process", "global_batch", "flags", "samples_per_s"),
     *("timed_epochs", "gpu_util_pct", "status", "wall_s"),
 ]
+BENCHMARK = REPO / "part4_torchrun" / "tools" / "benchmark.py"
 
 
 def test_benchmark_smoke_writes_csv_plot_and_ratios(tmp_path: Path) -> None:
@@ -41,3 +44,22 @@ def test_benchmark_smoke_writes_csv_plot_and_ratios(tmp_path: Path) -> None:
     assert "| part4 python n=1 |" in summary
     # the summary says how it was made: the command and the machine
     assert "benchmark.py --smoke" in summary and "CPU cores" in summary
+
+
+def test_verdicts_claim_only_what_the_runs_support() -> None:
+    """A ratio is judged against its goal; one that only a changed load explains (a negative
+    overhead, a weak-scaling efficiency above 100%) says so instead, and a ratio without a goal
+    gets no verdict (no error)."""
+    spec = importlib.util.spec_from_file_location("benchmark", BENCHMARK)
+    benchmark = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark"] = benchmark  # dataclasses look their module up while it loads
+    spec.loader.exec_module(benchmark)
+    verdict = benchmark.verdict
+    overhead, weak = "overhead at n=1: part4 vs part1", "mnist n=2 weak scaling vs n=1"
+    assert verdict(overhead, "3.0%", "<= 5%") == " (goal <= 5%: met)"
+    assert verdict(overhead, "7.5%", "<= 5%") == " (goal <= 5%: NOT met)"
+    assert "within noise" in verdict(overhead, "-844.6%", "<= 5%")
+    assert verdict(weak, "72%", ">= 85%") == " (goal >= 85%: NOT met)"
+    assert "measure again" in verdict(weak, "279%", ">= 85%")
+    assert verdict("mnist n=2 strong scaling vs n=1", "79%", "") == ""
+    assert verdict(weak, "n/a", ">= 85%") == ""

@@ -348,9 +348,21 @@ def ratios(configs: list[Config], args: argparse.Namespace) -> list[tuple[str, s
     return out
 
 
-def met(value: str, goal: str) -> bool:
-    number, limit = float(value.rstrip("%")), float(goal.split()[1].rstrip("%"))
-    return number <= limit if goal.startswith("<=") else number >= limit
+def verdict(what: str, value: str, goal: str) -> str:
+    """What a ratio says against its goal, or why its runs cannot support one: a launch that ran
+    faster than its baseline means the machine's load changed between them, not a gain."""
+    if value == "n/a":
+        return ""
+    number = float(value.rstrip("%"))
+    if what.startswith("overhead") and number < 0:
+        return " (below 0: within noise, the two runs saw different loads)"
+    if "weak scaling" in what and number > 100:
+        return " (above 100%: other load slowed the n=1 run; measure again)"
+    if not goal:
+        return ""
+    limit = float(goal.split()[1].rstrip("%"))
+    met = number <= limit if goal.startswith("<=") else number >= limit
+    return f" (goal {goal}: {'met' if met else 'NOT met'})"
 
 
 def write_outputs(configs: list[Config], lines: list, args: argparse.Namespace, load: str) -> None:
@@ -451,8 +463,7 @@ def main() -> None:
     lines = ratios(configs, args)
     write_outputs(configs, lines, args, f"{load}, {os.getloadavg()[0]:.1f}")
     for what, value, goal in lines:
-        verdict = f" (goal {goal}: {'met' if met(value, goal) else 'NOT met'})"
-        log(f"{what}: {value}" + (verdict if goal and value != "n/a" else ""))
+        log(f"{what}: {value}{verdict(what, value, goal)}")
     log(f"wrote results.csv, results.png and summary.md to {args.out}")
     if any(c.result["status"] != "ok" for c in configs):
         sys.exit("error: some launches failed: see above")
