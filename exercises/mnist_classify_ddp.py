@@ -49,7 +49,7 @@ def log(message: str) -> None:
 
 # TODO(step 1): a function setup_process_group() -> (rank, local_rank, world_size) that
 #   - reads them from srun's variables SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS;
-#   - on a GPU, calls torch.cuda.set_device(local_rank) BEFORE it joins the group;
+#   - on a GPU, calls torch.cuda.set_device(local_rank) before any CUDA work;
 #   - on CPUs, unless OMP_NUM_THREADS is set, gives each process its share of the cores:
 #     torch.set_num_threads(max(1, torch.get_num_threads() // tasks on this node)), where
 #     tasks on this node = SLURM_NTASKS_PER_NODE (else world_size);

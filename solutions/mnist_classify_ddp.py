@@ -57,7 +57,7 @@ def setup_process_group() -> tuple[int, int, int]:  # step 1
     if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():  # step 6
         sys.exit("error: export MASTER_ADDR and MASTER_PORT before srun (see job_ddp_srun.sbatch)")
     if torch.cuda.is_available():  # step 1
-        # step 1: before init_process_group, else every process piles onto GPU 0
+        # step 1: before any CUDA work or collective, else all use GPU 0
         torch.cuda.set_device(local_rank)  # step 1
     elif "OMP_NUM_THREADS" not in os.environ:  # step 1
         # step 1: the tasks on one node share its cores: more threads than cores is slower

@@ -55,7 +55,7 @@ def setup_process_group() -> tuple[int, int, int]:  # step 1
     local_rank = int(os.environ["LOCAL_RANK"])  # step 6
     world_size = int(os.environ["WORLD_SIZE"])  # step 6
     if torch.cuda.is_available():  # step 1
-        # step 1: before init_process_group, else every process piles onto GPU 0
+        # step 1: before any CUDA work or collective, else all use GPU 0
         torch.cuda.set_device(local_rank)  # step 1
     elif "OMP_NUM_THREADS" not in os.environ:  # step 1
         # step 1: the processes on one node share its cores: more threads than cores is slower.

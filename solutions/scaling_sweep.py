@@ -1,8 +1,8 @@
 """Bonus 1: a strong-scaling sweep: one training run on 1, 2, 4, ... processes, a CSV row each.
 
-Strong scaling keeps the problem fixed (same data, same per-process batch size) and adds
-processes; every process gets the same resources (one GPU, or --threads CPU threads), so the
-ideal is "n processes, n times the samples/s". The sweep reads each run's last epoch line,
+Strong scaling keeps the problem (one epoch of the same data) fixed and adds processes,
+each with the same batch size and the same resources (one GPU, or --threads CPU threads), so
+the ideal is "n processes, n times the samples/s". The sweep reads each run's last epoch line,
 whose time ends when the slowest rank has finished (the all-reduce of the epoch's totals).
 Without Slurm (torchrun), then inside a Slurm job (srun):
 
