@@ -227,7 +227,7 @@ STEPS = [
             *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
             *("range(start_epoch", "range(first_step", "args.snapshot"),
         ),
-        139,
+        149,
         max_lines=SNAPSHOT_LINES,
         checks_gpus=True,
     ),
