@@ -12,7 +12,7 @@ from enum import Enum
 # Lines per script: the spine, the speed step (part 4 plus its lesson), and step 7, which
 # resumes from any step, loader workers included: its lesson is the longest. At 80 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
-SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 240, 300, 355
+SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 240, 300, 365
 MAX_WIDTH = 80
 
 
