@@ -298,6 +298,16 @@ def main(args: argparse.Namespace) -> None:  # step 6
     )
     # step 7: every rank loads the same snapshot, goes on from the step after it
     start_epoch, first_step = load_snapshot(args.snapshot, state)
+    if start_epoch >= args.epochs:
+        # step 7: a finished run's snapshot leaves nothing to train: say so
+        if rank == 0:
+            log(
+                f"{args.snapshot} is from a finished run (epoch {start_epoch}"
+                f" of {args.epochs}): nothing to train; remove it or raise"
+                " --epochs"
+            )
+        dist.destroy_process_group()
+        return
     if (start_epoch or first_step) and rank == 0:
         log(
             f"resumed from {args.snapshot}: epoch {start_epoch + 1},"

@@ -12,7 +12,7 @@ from enum import Enum
 # Lines per script: the spine, the speed step (part 4 plus its lesson), and step 7, which
 # resumes from any step, loader workers included: its lesson is the longest. At 80 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
-SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 240, 300, 355
+SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 240, 300, 365
 MAX_WIDTH = 80
 
 
@@ -66,6 +66,9 @@ STEP3 = "part3_ddp/step3_distributed_sampler.py"
 STEP4 = "part3_ddp/step4_device_placement.py"
 STEP5 = "part3_ddp/step5_checkpoint.py"
 STEP6 = "part4_torchrun/train.py"
+FAST1 = "part4_torchrun/train_fast1_precision.py"
+FAST2 = "part4_torchrun/train_fast2_compile.py"
+FAST3 = "part4_torchrun/train_fast3_workers.py"  # has every speed flag
 SPINE = {"max_lines": SPINE_LINES, "spine": True}
 # What every quick run of the DDP steps shows, from step 1 on.
 IN_A_GROUP = (
@@ -181,17 +184,36 @@ STEPS = [
         ),
     ),
     Step(
-        "speed",
-        "part4_torchrun/train_fast.py",
+        "speed 1",
+        FAST1,
         STEP6,
-        "speed",
+        "speed 1",
         "python",
-        "bf16, channels-last, compile, loader workers",
-        (
-            *("autocast", "GradScaler", "channels_last", "compile()", "num_workers"),
-            *("pin_memory", "non_blocking", "speed"),
-        ),
-        79,
+        "mixed precision: bf16 or fp16 autocast, a GradScaler",
+        ("autocast", "GradScaler", "--precision"),
+        30,
+        checks_gpus=True,
+    ),
+    Step(
+        "speed 2",
+        FAST2,
+        FAST1,
+        "speed 2",
+        "python",
+        "channels-last, `model.compile()`",
+        ("channels_last", "compile()", "--channels-last", "--compile"),
+        15,
+        checks_gpus=True,
+    ),
+    Step(
+        "speed 3",
+        FAST3,
+        FAST2,
+        "speed 3",
+        "python",
+        "loader workers, pinned memory, `non_blocking`",
+        ("num_workers", "pin_memory", "non_blocking", "--workers"),
+        24,
         checks_gpus=True,
     ),
     Step(
@@ -205,7 +227,7 @@ STEPS = [
             *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
             *("range(start_epoch", "range(first_step", "args.snapshot"),
         ),
-        139,
+        149,
         max_lines=SNAPSHOT_LINES,
         checks_gpus=True,
     ),

@@ -401,18 +401,36 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
         ),  # before mp.spawn
         (STEP6, ["--batch-size", "0"], ["at least 1"]),
     ]
+    # In the same launch: a snapshot from a finished run (3 epochs of 3) is said in one line,
+    # and nothing trains: exit 0, no epoch line, no checkpoint.
+    module = import_script(SNAPSHOT_SCRIPT)
+    finished = tmp_path / "finished.pt"
+    module.save_snapshot(str(finished), fresh_state(module), 3, 0, torch.get_rng_state())
+    rerun = [*TINY_RUN, "--epochs", "3", "--snapshot", str(finished)]
+    rerun += ["--checkpoint", str(tmp_path / "model.pt")]
     offline = {
         "http_proxy": "http://127.0.0.1:9",
         "https_proxy": "http://127.0.0.1:9",
         "no_proxy": "",
     }  # refused at once
     run = launch(
-        [PYTHON, "-c", DRIVER, json.dumps([[script, args] for script, args, _ in cases])],
+        [
+            PYTHON,
+            "-c",
+            DRIVER,
+            json.dumps([*([s, a] for s, a, _ in cases), [SNAPSHOT_SCRIPT, rerun]]),
+        ],
         timeout=LAUNCH_TIMEOUT,
         env=offline,
     )
     results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
-    assert len(results) == len(cases), run.describe()
+    assert len(results) == len(cases) + 1, run.describe()
+    assert results.pop()["code"] == 0, run.describe()
+    said = f"{finished} is from a finished run (epoch 3 of 3): nothing to train; remove it or"
+    assert [line for line in run.stdout.splitlines() if "finished run" in line] == [
+        f"{said} raise --epochs"
+    ], run.describe()
+    assert "epoch 1/3" not in run.stdout and not (tmp_path / "model.pt").exists()
     for (script, args, expected), result in zip(cases, results, strict=True):
         assert result["code"] in (1, 2), (
             f"{script} {args}: exit {result['code']}\n{result['stderr']}"

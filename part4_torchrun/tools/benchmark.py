@@ -1,10 +1,11 @@
 """Benchmark: samples/s of the course's scripts, per launcher, world size, threads and flag.
 
-The companion of the speed step, part4_torchrun/train_fast.py. Its "flags" suite times that
-script in plain fp32 eager with no loader workers, then with one speed flag at a time
-(--precision bf16 or fp16, --channels-last, --compile, --workers 4), then with all of them (its
-defaults on a GPU). The "parts" suite times every script of the course as written; "scaling"
-times DDP under torchrun at 1..--max-procs ranks, on resnet18 (32x32 fake images) and on the
+The companion of the speed steps. Its "flags" suite times the last of them,
+part4_torchrun/train_fast3_workers.py, which has every speed flag: in plain fp32 eager with no
+loader workers, then with one speed flag at a time (--precision bf16 or fp16, --channels-last,
+--compile, --workers 4), then with all of them (its defaults on a GPU). The "parts" suite times
+every script of the course as written; "scaling" times DDP under torchrun at 1..--max-procs
+ranks, on resnet18 (32x32 fake images) and on the
 MNIST CNN (solutions/mnist_classify_ddp_torchrun.py, real digits).
 
 It launches the real scripts, never a copy of their loop: --warmup untimed epochs (start-up,
@@ -12,7 +13,7 @@ allocator, torch.compile), then --repeats timed epochs, of which it keeps the me
 `samples/s=` values. Speed is judged only as a ratio of two runs of the same invocation: same
 machine, same load. Writes results.csv, results.png and summary.md (table and ratios) to --out.
 
-    python part4_torchrun/tools/benchmark.py --suites flags                # the speed step, CPU
+    python part4_torchrun/tools/benchmark.py --suites flags                # the speed steps, CPU
     python part4_torchrun/tools/benchmark.py --suites flags --batch-size 256 --steps 50   # one GPU
     python part4_torchrun/tools/benchmark.py --suites scaling              # DDP at 1..cores ranks
     python part4_torchrun/tools/benchmark.py                               # all: ~30 min on 2 cores
@@ -52,14 +53,14 @@ CIFAR_SCRIPTS = {
     "part4": ("part4_torchrun/train.py", "torchrun"),
 }
 PART1, PART4 = CIFAR_SCRIPTS["part1"][0], CIFAR_SCRIPTS["part4"][0]
-FAST = "part4_torchrun/train_fast.py"
+FAST = "part4_torchrun/train_fast3_workers.py"  # the last speed step: all flags
 
 
 def fast_flags(precision="fp32", layout="--no-channels-last", graph="--no-compile", workers=0):
     return ("--precision", precision, layout, graph, "--workers", str(workers))
 
 
-# label -> the speed step's flags, all spelled out, as its defaults differ on CPU and GPU
+# label -> the speed steps' flags, all spelled out, as its defaults differ on CPU and GPU
 FAST_RUNS = {
     "fp32 eager": fast_flags(),
     "--precision bf16": fast_flags(precision="bf16"),

@@ -5,7 +5,6 @@ import os
 import sys
 import tempfile
 import time
-from functools import partial
 from itertools import islice
 
 import timm
@@ -42,20 +41,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint", default="checkpoint.pt", help="'': none"
     )
-    # speed: defaults: the fast settings on a GPU, plain fp32 eager on a CPU
+    # speed 1: defaults: the fast settings on a GPU, train.py's on a CPU
     gpu = torch.cuda.is_available()
     precisions = ["fp32", "bf16", "fp16"]
     parser.add_argument(
         "--precision", choices=precisions, default="bf16" if gpu else "fp32"
     )
+    # speed 2: on a GPU by default, off on a CPU
     parser.add_argument(
         "--channels-last", action=argparse.BooleanOptionalAction, default=gpu
     )
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=gpu
-    )
-    parser.add_argument(
-        "--workers", type=int, default=4 if gpu else 0, help="loader processes"
     )
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
@@ -127,9 +124,8 @@ def build_model(name: str) -> torch.nn.Module:
     return timm.create_model(name, num_classes=10)
 
 
-def train_one_epoch(
-    model, loader, optimizer, device, max_steps: int, show_bar: bool, speed
-):
+# speed 1: fp holds the autocast and the GradScaler the steps run under
+def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar, fp):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -138,17 +134,15 @@ def train_one_epoch(
     batches = islice(loader, steps)
     bar = tqdm(batches, steps, leave=False, disable=None if show_bar else True)
     for images, labels in bar:
-        # speed: from pinned memory, the CPU does not wait for the copy
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        with speed.autocast():
+        images, labels = images.to(device), labels.to(device)
+        with fp.autocast:
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
-        # speed: fp16 scales the loss up: small gradients do not round to zero
-        speed.scaler.scale(loss).backward()
-        speed.scaler.step(optimizer)
-        speed.scaler.update()
+        # speed 1: fp16 scales the loss up: small gradients do not round to zero
+        fp.scaler.scale(loss).backward()
+        fp.scaler.step(optimizer)
+        fp.scaler.update()
         # Sums stay on the device: .item() would wait for the GPU at every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
@@ -214,23 +208,12 @@ def main(args: argparse.Namespace) -> None:  # step 6
     # step 3: each rank trains on its shard and scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
-    # speed: worker processes decode and augment the next batches while the GPU
-    # trains; they live as long as the loader (persistent), and the main process
-    # pins (page-locks) the batches they hand back
-    loading = dict(
-        num_workers=args.workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=args.workers > 0,
-        # Not fork: a fork while other threads hold a lock can hang the worker.
-        multiprocessing_context="spawn" if args.workers else None,
-    )
-    train_loader = DataLoader(
-        train_set, args.batch_size, sampler=sampler, **loading
-    )
-    test_loader = DataLoader(test_set, args.batch_size, **loading)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
+    test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)
-    # speed: channels-last (NHWC), the layout tensor cores want for convolutions
+    # speed 2: channels-last (NHWC), the layout tensor cores want for
+    # convolutions
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     # step 2: DDP copies rank 0's weights to all ranks, then averages gradients
@@ -241,35 +224,24 @@ def main(args: argparse.Namespace) -> None:  # step 6
     )
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR
     scheduler = cosine(optimizer, T_max=args.epochs)
-    # speed: autocast runs matmuls and convolutions in 16 bits, keeps sums in
-    # fp32; bf16 has fp32's range and needs no GradScaler, fp16 does; fp32 turns
-    # both off
+    # speed 1: autocast runs matmuls and convolutions in 16 bits, sums in fp32;
+    # fp16 needs a GradScaler, bf16 (fp32's range) does not; fp32: both off
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    speed = argparse.Namespace(
-        autocast=partial(
-            torch.autocast, device.type, dtype=dtype, enabled=dtype is not None
-        ),
-        scaler=torch.amp.GradScaler(
-            device.type, enabled=args.precision == "fp16"
-        ),
-    )
+    autocast = torch.autocast(device.type, dtype, enabled=dtype is not None)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    fp = argparse.Namespace(autocast=autocast, scaler=scaler)
     if args.compile:
-        # speed: compiles in place (same state_dict keys) during epoch 1's first
-        # steps
+        # speed 2: compiles in place (the same state_dict keys) during epoch
+        # 1's first steps
         model.compile()
 
     for epoch in range(args.epochs):
         # step 3: a new shuffle every epoch, else epoch 0's order
         sampler.set_epoch(epoch)
         start = time.perf_counter()
-        totals = train_one_epoch(
-            model,
-            train_loader,
-            optimizer,
-            device,
-            args.max_steps,
-            rank == 0,
-            speed,
+        show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        totals = train_one_epoch(  # speed 1: with fp's autocast and scaler
+            model, train_loader, optimizer, device, args.max_steps, show_bar, fp
         )
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks
         # .tolist() waits until the device ends the epoch: then read the clock.
