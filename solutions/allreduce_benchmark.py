@@ -1,17 +1,22 @@
-"""Bonus 3: time all-reduce over message sizes; report time, algorithm and bus bandwidth.
+"""Bonus 3: all-reduce's time, algorithm and bus bandwidth, by message size.
 
-DDP's cost is mostly one all-reduce of the gradients per step. This measures it alone, with
-the definitions of NVIDIA's nccl-tests, so numbers compare with theirs:
-  algbw = bytes / time                      (how fast this one message went)
-  busbw = algbw * 2 (n - 1) / n             (per-link traffic of a ring all-reduce over n ranks;
-                                             comparable with the hardware's link bandwidth)
-NCCL on GPUs (pick its algorithm with NCCL_ALGO), gloo on CPUs. Launch with torchrun or srun;
-on 4 GPUs, then on 2 CPU processes:
+DDP's cost is mostly one all-reduce of the gradients per step. This measures
+it alone, with the definitions of NVIDIA's nccl-tests, so numbers compare with
+theirs:
+  algbw = bytes / time           (how fast this one message went)
+  busbw = algbw * 2 (n - 1) / n  (per-link traffic of a ring all-reduce over
+                                  n ranks: compare it with the hardware's
+                                  link bandwidth)
+NCCL on GPUs (pick its algorithm with NCCL_ALGO), gloo on CPUs. Launch with
+torchrun or srun; on 4 GPUs, then on 2 CPU processes:
 
     torchrun --standalone --nproc_per_node=4 solutions/allreduce_benchmark.py
-    NCCL_ALGO=Ring torchrun --standalone --nproc_per_node=4 solutions/allreduce_benchmark.py
-    NCCL_ALGO=Tree torchrun --standalone --nproc_per_node=4 solutions/allreduce_benchmark.py
-    torchrun --standalone --nproc_per_node=2 solutions/allreduce_benchmark.py --max-bytes 4M
+    NCCL_ALGO=Ring torchrun --standalone --nproc_per_node=4 \
+        solutions/allreduce_benchmark.py
+    NCCL_ALGO=Tree torchrun --standalone --nproc_per_node=4 \
+        solutions/allreduce_benchmark.py
+    torchrun --standalone --nproc_per_node=2 \
+        solutions/allreduce_benchmark.py --max-bytes 4M
 """
 
 import argparse
@@ -35,17 +40,24 @@ def parse_size(text: str) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--min-bytes", type=parse_size, default=parse_size("1K"))
-    parser.add_argument("--max-bytes", type=parse_size, default=parse_size("256M"))
-    parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
-    # NCCL sets up its connections during the first all-reduces: leave them out of the timing
-    parser.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
-    parser.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
+    # A default given as text goes through parse_size too.
+    parser.add_argument("--min-bytes", type=parse_size, default="1K")
+    parser.add_argument("--max-bytes", type=parse_size, default="256M")
+    parser.add_argument(
+        "--factor", type=int, default=4, help="size multiplier between rows"
+    )
+    # NCCL connects during the first all-reduces: leave them out of the timing
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed all-reduces per size"
+    )
+    parser.add_argument(
+        "--iters", type=int, default=20, help="timed all-reduces per size"
+    )
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines of processes that share a terminal never interleave.
+    # One write per line: lines of processes sharing a terminal stay whole.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
@@ -53,14 +65,18 @@ def log(message: str) -> None:
 def setup_process_group() -> tuple[int, int, torch.device]:
     """Returns rank, world size and this process's device."""
     env = os.environ
-    # torchrun sets RANK (and MASTER_ADDR, MASTER_PORT); srun sets SLURM_PROCID, and the job
-    # script exports MASTER_ADDR and MASTER_PORT
+    # torchrun sets RANK (and MASTER_ADDR, MASTER_PORT); srun sets
+    # SLURM_PROCID, and the job script exports MASTER_ADDR and MASTER_PORT
     if "RANK" in env:
-        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
     elif "SLURM_PROCID" in env and {"MASTER_ADDR", "MASTER_PORT"} <= env.keys():
-        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")
+        names = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
+        names.append("SLURM_NTASKS_PER_NODE")
     else:
-        sys.exit("error: start it with torchrun, or with srun after exporting MASTER_ADDR/PORT")
+        sys.exit(
+            "error: start it with torchrun, or with srun after exporting"
+            " MASTER_ADDR/PORT"
+        )
     rank, local_rank, world_size = (int(env[name]) for name in names[:3])
     local_world_size = int(env.get(names[3], world_size))
     if torch.cuda.is_available():
@@ -68,38 +84,45 @@ def setup_process_group() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in env:
         # the processes on one node share its cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
+        threads = torch.get_num_threads() // local_world_size
+        torch.set_num_threads(max(1, threads))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # a collective that waits this long for a lost rank fails instead of hanging
     timeout = timedelta(seconds=int(env.get("DDP_TIMEOUT_S", 60)))
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timeout
+    )
+    cuda = f"cuda:{local_rank}"
+    device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     return rank, world_size, device
 
 
 def check_sum(device: torch.device) -> None:
-    """Before timing anything: does all-reduce add up every rank's contribution?"""
+    """Before any timing: does all-reduce add up every rank's contribution?"""
     world_size = dist.get_world_size()
     value = torch.full((4,), float(dist.get_rank() + 1), device=device)
     dist.all_reduce(value)
     expected = world_size * (world_size + 1) / 2
     if not torch.all(value == expected):
-        raise RuntimeError(f"all_reduce gave {value.tolist()}, expected {expected}")
+        got = value.tolist()
+        raise RuntimeError(f"all_reduce gave {got}, expected {expected}")
 
 
-def seconds_per_all_reduce(tensor: torch.Tensor, warmup: int, iters: int) -> float:
+def seconds_per_all_reduce(tensor, warmup: int, iters: int) -> float:
     # At least one warm-up: it also lines the ranks up.
     for _ in range(max(1, warmup)):
         dist.all_reduce(tensor)
-    # Start together, else we would time the wait for a late rank: the last warm-up all-reduce
-    # ends only once every rank has joined it, and .tolist() waits for it on the device.
+    # Start together, else we would time the wait for a late rank: the last
+    # warm-up all-reduce ends only once every rank has joined it, and
+    # .tolist() waits for it on the device.
     tensor[:1].tolist()
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(tensor)
     # GPU collectives are asynchronous: .tolist() waits until they are done.
     tensor[:1].tolist()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], device=tensor.device)
+    seconds = (time.perf_counter() - start) / iters
+    elapsed = torch.tensor([seconds], device=tensor.device)
     # The operation ends when the slowest rank ends.
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.tolist()[0]
@@ -119,9 +142,10 @@ def main() -> None:
     check_sum(device)
     bus_factor = 2 * (world_size - 1) / world_size
     if rank == 0:
+        algo = os.environ.get("NCCL_ALGO", "auto")
         log(
             f"# all_reduce world_size={world_size} backend={dist.get_backend()}"
-            f" device={device.type} NCCL_ALGO={os.environ.get('NCCL_ALGO', 'auto')}"
+            f" device={device.type} NCCL_ALGO={algo}"
             f" dtype=float32 iters={args.iters}"
         )
         log("# " + " ".join(f"{column:>12}" for column in COLUMNS))
@@ -131,7 +155,9 @@ def main() -> None:
         seconds = seconds_per_all_reduce(tensor, args.warmup, args.iters)
         # GB/s with G = 10^9, as nccl-tests
         algbw = size / seconds / 1e9
-        row = (size, size // 4, f"{seconds * 1e6:.1f}", f"{algbw:.3f}", f"{algbw * bus_factor:.3f}")
+        busbw = algbw * bus_factor
+        measured = (f"{seconds * 1e6:.1f}", f"{algbw:.3f}", f"{busbw:.3f}")
+        row = (size, size // 4, *measured)
         if rank == 0:
             log("  " + " ".join(f"{value:>12}" for value in row))
     dist.destroy_process_group()

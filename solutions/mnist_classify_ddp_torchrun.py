@@ -1,11 +1,14 @@
-"""Bonus 2, solved: the MNIST classifier with DDP, its processes started by torchrun.
+"""Bonus 2, solved: the MNIST classifier with DDP, its processes from torchrun.
 
-torchrun starts --nproc_per_node processes on each node and tells each one its RANK,
-LOCAL_RANK, WORLD_SIZE and where to meet; under Slurm, srun starts one torchrun per node.
-Compared with the srun version only step 6 differs: where the ranks come from.
+torchrun starts --nproc_per_node processes on each node and tells each one its
+RANK, LOCAL_RANK, WORLD_SIZE and where to meet; under Slurm, srun starts one
+torchrun per node. Compared with the srun version only step 6 differs: where
+the ranks come from.
 
-    diff solutions/mnist_classify_ddp.py solutions/mnist_classify_ddp_torchrun.py
-    torchrun --standalone --nproc_per_node=2 solutions/mnist_classify_ddp_torchrun.py --epochs 5
+    diff solutions/mnist_classify_ddp.py \
+        solutions/mnist_classify_ddp_torchrun.py
+    torchrun --standalone --nproc_per_node=2 \
+        solutions/mnist_classify_ddp_torchrun.py --epochs 5
     sbatch solutions/job_ddp_torchrun.sbatch --epochs 5
 """
 
@@ -32,84 +35,105 @@ MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=128, help="images per step, per process")
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="per process"
+    )
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
-    parser.add_argument("--data-dir", default="data", help="MNIST is downloaded here if missing")
-    parser.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
+    parser.add_argument(
+        "--lr", type=float, default=1.0, help="Adadelta learning rate"
+    )
+    parser.add_argument(
+        "--data-dir", default="data", help="MNIST is downloaded here if missing"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="DataLoader worker processes"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", default="mnist_cnn.pt", help="'' to skip")
+    parser.add_argument(
+        "--checkpoint", default="mnist_cnn.pt", help="'' to skip"
+    )
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines of processes that share a terminal never interleave.
+    # One write per line: lines of processes sharing a terminal stay whole.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
 def setup_process_group() -> tuple[int, int, int]:  # step 1
-    # step 6: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
-    # MASTER_PORT for every process it starts
-    rank = int(os.environ["RANK"])  # step 6
-    local_rank = int(os.environ["LOCAL_RANK"])  # step 6
-    world_size = int(os.environ["WORLD_SIZE"])  # step 6
-    if torch.cuda.is_available():  # step 1
+    # step 6: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    # MASTER_ADDR and MASTER_PORT for every process it starts
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
         # step 1: before any CUDA work or collective, else all use GPU 0
-        torch.cuda.set_device(local_rank)  # step 1
-    elif "OMP_NUM_THREADS" not in os.environ:  # step 1
-        # step 1: the processes on one node share its cores: more threads than cores is slower.
-        # torchrun sets OMP_NUM_THREADS=1 when it starts several, unless you set it.
-        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # step 6
-        torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))  # step 1
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # step 1: the processes on one node share its cores: more threads
+        # than cores is slower. torchrun sets OMP_NUM_THREADS=1 when it
+        # starts several, unless you set it.
+        per_node = os.environ["LOCAL_WORLD_SIZE"]  # step 6
+        threads = torch.get_num_threads() // int(per_node)
+        torch.set_num_threads(max(1, threads))
     # step 1: NCCL for NVIDIA GPUs, gloo for CPUs
-    backend = "nccl" if torch.cuda.is_available() else "gloo"  # step 1
-    # step 1: a collective that waits this long for a lost rank fails instead of hanging;
-    # a minute covers rank 0's MNIST download (11 MB) at the barrier
-    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60)))  # step 1
-    # step 6: rank, world size and where to meet: init_process_group reads torchrun's variables
-    dist.init_process_group(backend, timeout=timeout)  # step 6
-    return rank, local_rank, world_size  # step 1
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # step 1: a collective that waits this long for a lost rank fails
+    # instead of hanging; a minute covers rank 0's MNIST download (11 MB)
+    # at the barrier
+    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60)))
+    # step 6: rank, world size and where to meet: init_process_group reads
+    # torchrun's variables
+    dist.init_process_group(backend, timeout=timeout)
+    return rank, local_rank, world_size
 
 
 def build_datasets(data_dir: str, download: bool) -> tuple:
-    norm = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+    normalize = transforms.Normalize(MNIST_MEAN, MNIST_STD)
+    norm = transforms.Compose([transforms.ToTensor(), normalize])
+    mnist = torchvision.datasets.MNIST
     try:
-        train = torchvision.datasets.MNIST(data_dir, train=True, transform=norm, download=download)
-        test = torchvision.datasets.MNIST(data_dir, train=False, transform=norm, download=download)
+        train = mnist(data_dir, True, transform=norm, download=download)
+        test = mnist(data_dir, False, transform=norm, download=download)
     except (OSError, RuntimeError):
-        # Offline (a URLError is an OSError), or the files are missing or damaged.
+        # Offline (a URLError is an OSError), or files missing or damaged.
         sys.exit(
-            f"error: no MNIST in {os.path.abspath(data_dir)} and no download; offline, write"
-            " 5,000 real digits with: python exercises/get_mnist_subset.py data/mnist-5k"
+            f"error: no MNIST in {os.path.abspath(data_dir)} and no download;"
+            " offline, write 5,000 real digits with:"
+            " python exercises/get_mnist_subset.py data/mnist-5k"
         )
     return train, test
 
 
-def build_loaders(args: argparse.Namespace, rank: int, world_size: int):  # step 1
-    # step 1: rank 0 downloads; the others wait at the barrier, then read its files
-    if rank == 0:  # step 1
-        build_datasets(args.data_dir, download=True)  # step 1
-    dist.barrier()  # step 1
-    train_set, test_set = build_datasets(args.data_dir, download=False)  # step 1
+# step 1 and 3: each rank builds its own loaders
+def build_loaders(args: argparse.Namespace, rank: int, world_size: int):
+    # step 1: rank 0 alone downloads; the others wait at the barrier, then
+    # every rank reads the files
+    if rank == 0:
+        build_datasets(args.data_dir, download=True)
+    dist.barrier()
+    train_set, test_set = build_datasets(args.data_dir, download=False)
     # step 3: each rank its own share, in a new order each epoch (set_epoch)
-    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)  # step 3
-    # step 3: every world_size-th test image; unlike DistributedSampler, no padding
-    test_set = Subset(test_set, range(rank, len(test_set), world_size))  # step 3
-    # Persistent workers start once, not every epoch: a fork per epoch is slow, and can hang.
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    # step 3: every world_size-th test image, without the sampler's padding
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))
+    # Persistent workers start once, not every epoch (slow, and can hang).
     kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
     # Not fork: a fork while other threads hold a lock can hang the worker.
     kwargs["multiprocessing_context"] = "spawn" if args.workers else None
     # pin_memory: page-locked host memory makes copies to the GPU faster
     kwargs["pin_memory"] = torch.cuda.is_available()
-    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **kwargs)  # step 3
+    # step 3: the sampler, not shuffle=True, orders the training batches
+    batch_size = args.batch_size
+    train_loader = DataLoader(train_set, batch_size, sampler=sampler, **kwargs)
     test_loader = DataLoader(test_set, 1000, **kwargs)
     return train_loader, test_loader
 
 
 class Net(nn.Module):
-    """Two convolutions find strokes, two linear layers vote on the digit; dropout against
-    overfitting. Returns logits."""
+    """Two convolutions find strokes, two linear layers vote on the digit;
+    dropout against overfitting. Returns logits."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,19 +151,20 @@ class Net(nn.Module):
         return self.fc2(self.dropout2(x))
 
 
-def train_one_epoch(model, loader, optimizer, device, show_bar: bool) -> torch.Tensor:
-    """Returns (summed loss, correct predictions, images) as one tensor on `device`."""
+def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
+    """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # disable=None: a progress bar on a terminal only, never in a batch job's log file
-    for images, labels in tqdm(loader, leave=False, disable=None if show_bar else True):
+    # disable=None: a progress bar on a terminal only, never in a job's log file
+    bar = tqdm(loader, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: a .item() here would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU at every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -148,7 +173,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool) -> torch.T
 
 @torch.no_grad()
 def evaluate(model, loader, device) -> torch.Tensor:
-    """Returns (correct predictions, images) as one tensor on `device`."""
+    """(correct predictions, images): one tensor on `device`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -158,13 +183,14 @@ def evaluate(model, loader, device) -> torch.Tensor:
     return totals
 
 
-def epoch_line(epoch: int, epochs: int, train: list, test: list, seconds: float) -> str:
+def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
     loss_sum, correct, seen = train
     test_correct, test_seen = test
     return (
         f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
         f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
-        f" test_acc={100 * test_correct / test_seen:.2f}% test_samples={int(test_seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}%"
+        f" test_samples={int(test_seen)}"
         f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
     )
 
@@ -181,26 +207,35 @@ def main() -> None:
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     # step 4: on a GPU, this process's own: the one set_device picked
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # step 4
-    log(f"rank {rank}/{world_size} device={device} threads={torch.get_num_threads()}")  # step 1
+    cuda = f"cuda:{local_rank}"
+    device = torch.device(cuda if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
 
     train_loader, test_loader = build_loaders(args, rank, world_size)  # step 1
 
     model = Net().to(device)
-    # step 2: DDP all-reduces the gradients in backward(): every copy takes the same step
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # step 2
+    # step 2: DDP all-reduces the gradients in backward(): every copy of the
+    # model takes the same step
+    ids = [local_rank] if device.type == "cuda" else None
+    model = DDP(model, device_ids=ids)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     # Smaller steps each epoch.
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    step_lr = torch.optim.lr_scheduler.StepLR
+    scheduler = step_lr(optimizer, step_size=1, gamma=0.7)
 
     for epoch in range(args.epochs):
-        # step 3: a new shuffle each epoch, else every epoch repeats epoch 0's order
-        train_loader.sampler.set_epoch(epoch)  # step 3
+        # step 3: a new shuffle each epoch, else each repeats epoch 0's order
+        train_loader.sampler.set_epoch(epoch)
         start = time.perf_counter()
-        totals = train_one_epoch(model, train_loader, optimizer, device, rank == 0)  # step 1
-        # step 3: sum over the ranks; the all-reduce also waits for the slowest rank to finish
-        dist.all_reduce(totals)  # step 3
-        # .tolist() waits until the device has finished the epoch: only then read the clock.
+        # step 1: the progress bar on rank 0 alone
+        show_bar = rank == 0
+        totals = train_one_epoch(
+            model, train_loader, optimizer, device, show_bar
+        )
+        # step 3: sum over the ranks, which also waits for the slowest rank
+        dist.all_reduce(totals)
+        # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
         test_totals = evaluate(model, test_loader, device)
@@ -208,13 +243,13 @@ def main() -> None:
         test = test_totals.tolist()
         scheduler.step()
         # step 1: one line per epoch, not one per rank
-        if rank == 0:  # step 1
+        if rank == 0:
             log(epoch_line(epoch, args.epochs, train, test, seconds))
 
     if args.checkpoint:
         # step 5: one writer; model.module unwraps DDP: keys without "module."
         if rank == 0:  # step 5
-            save_checkpoint(model.module, args.checkpoint)  # step 5
+            save_checkpoint(model.module, args.checkpoint)
         # step 5: nobody reads the file before rank 0 has written it
         dist.barrier()  # step 5
     dist.destroy_process_group()  # step 1

@@ -778,7 +778,8 @@ def test_get_mnist_subset_writes_what_torchvision_reads(tmp_path: Path) -> None:
 
 
 def added_runs(before: str, after: str) -> list[list[str]]:
-    """Runs of consecutive lines that `diff` shows as added, module docstrings apart."""
+    """Runs of consecutive lines that `diff` shows as added, module docstrings apart. Blank
+    lines inside a run stay in it, as "" (they end a tagged comment's block)."""
 
     def code_lines(path: str) -> list[str]:
         source = (REPO / path).read_text()
@@ -794,27 +795,92 @@ def added_runs(before: str, after: str) -> list[list[str]]:
             if not previous_added or not runs:
                 runs.append([])
             runs[-1].append(line[1:])
+        elif added and previous_added and runs:
+            runs[-1].append("")
         previous_added = added
     return runs
 
 
+CLOSING = re.compile(r"[)\]}]+[:,]?\s*(#.*)?")
+
+
 def untagged_lines(run: list[str], tag: str) -> list[str]:
-    """Lines neither tagged nor nested under a tagged line of the same run (a body or a
-    continuation)."""
-    untagged, tagged_indent = [], None
+    """Lines of a run that no `# step N` tag covers. A tag covers its own line and the lines
+    nested deeper below it (a body, a continuation). A comment that carries the tag also
+    covers the comment's further lines and the code right below it at the comment's indent
+    (and what is nested in that code), up to the next blank line, the next comment or a
+    dedent: a tag on its own line explains the statements under it. A line of closing
+    brackets belongs to the statement it closes."""
+    untagged: list[str] = []
+    # indents of the tagged lines whose nested lines are covered, innermost last
+    open_tags: list[int] = []
+    # indent of the code a tagged comment covers; None when no such comment is open
+    block: int | None = None
+    in_comment = previous_covered = False
     for line in run:
+        text = line.strip()
+        if not text:
+            block, in_comment = None, False
+            continue
         indent = len(line) - len(line.lstrip())
-        if f"# {tag}" in line:
-            tagged_indent = indent if tagged_indent is None else min(tagged_indent, indent)
-        elif tagged_indent is None or indent <= tagged_indent:
+        if CLOSING.fullmatch(text) and f"# {tag}" not in text:
+            if not previous_covered:
+                untagged.append(line)
+            continue
+        while open_tags and open_tags[-1] >= indent:
+            open_tags.pop()
+        comment = text.startswith("#")
+        if block is not None and (indent < block or (comment and not in_comment)):
+            block = None
+        if f"# {tag}" in text:
+            covered = True
+            if comment:
+                block, in_comment = indent, True
+        elif block == indent:
+            # the comment's further lines, or the code right below it
+            covered = True
+            in_comment = comment
+        else:
+            covered = bool(open_tags)
+            in_comment = False
+        if covered:
+            if not comment:
+                open_tags.append(indent)
+        else:
             untagged.append(line)
+        previous_covered = covered
     return untagged
+
+
+def test_untagged_lines_follows_the_tagging_rule() -> None:
+    tagged = [
+        "    # step 3: a comment that tags",
+        "    # and goes on",
+        "    sampler = DistributedSampler(",
+        "        train_set, world_size, rank",
+        "    )",
+        "    if rank == 0:",
+        "        dist.barrier()",
+        "    x = f(  # step 1",
+        "        y",
+        "    )",
+    ]
+    assert untagged_lines(tagged, "step") == []
+    # a blank line, another comment or a dedent ends what a comment tags
+    for end in ["", "    # a plain comment", "# dedent"]:
+        run = ["    # step 3: tags", "    a = 1", end, "    b = 2"]
+        assert untagged_lines(run, "step") == [line for line in [end, "    b = 2"] if line]
+    assert untagged_lines(["    a = 1  # step 1", "    b = 2"], "step") == ["    b = 2"]
+    untagged_call = ["    f(", "        y", "    )"]
+    assert untagged_lines(untagged_call, "step") == untagged_call
 
 
 def test_starting_point_is_the_serial_script_plus_todo_comments() -> None:
     diff = [line for run in added_runs(SERIAL, STARTING_POINT) for line in run]
     changed = [
-        line for line in diff if "TODO(step" not in line and not line.strip().startswith("#")
+        line
+        for line in diff
+        if line.strip() and "TODO(step" not in line and not line.strip().startswith("#")
     ]
     assert not changed, f"the starting point may only add comments to the serial script: {changed}"
     text = (REPO / STARTING_POINT).read_text()
