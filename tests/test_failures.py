@@ -383,8 +383,8 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     a_file, made = tmp_path / "a_file", tmp_path / "made" / "for" / "the checkpoint"
     a_file.touch()
     cases = [  # (script, arguments, what the one line must say)
-        (PART1, ["--epochs", "0"], ["--epochs", "at least 1"]),
-        (PART1, ["--batch-size", "-4"], ["--batch-size", "at least 1"]),
+        (PART1, ["--epochs", "0"], ["--epochs", "1 or more"]),
+        (PART1, ["--batch-size", "-4"], ["--batch-size", "1 or more"]),
         (PART1, ["--model", "resnet181"], ["unknown --model 'resnet181'"]),
         # The checkpoint's folder is made at start: it exists when the data turns out missing.
         (
@@ -399,7 +399,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
             ["--model", "resnet181", "--nprocs", "2"],
             ["unknown --model"],
         ),  # before mp.spawn
-        (STEP6, ["--batch-size", "0"], ["at least 1"]),
+        (STEP6, ["--batch-size", "0"], ["1 or more"]),
     ]
     # In the same launch: a snapshot from a finished run (3 epochs of 3) is said in one line,
     # and nothing trains: exit 0, no epoch line, no checkpoint.
@@ -447,7 +447,7 @@ def test_a_wrong_argument_under_torchrun_is_said_once() -> None:
     output = run.stdout + run.stderr
     errors = [line for line in output.splitlines() if line.startswith("train.py: error: ")]
     assert errors == [
-        "train.py: error: --epochs, --batch-size and --fake-size must be at least 1"
+        "train.py: error: --epochs, --batch-size and --fake-size must be 1 or more"
     ], run.describe()
     assert run.returncode != 0 and "ChildFailedError" in output, run.describe()
 
@@ -461,9 +461,17 @@ def test_more_processes_than_gpus_with_nccl(
         torch.cuda, "is_available", lambda: True
     )  # a machine with one GPU, as NCCL would see it
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # Rank 0 of 2 processes, both on this machine: checked before set_device and before
+    # the process group (main stops there, so it needs no arguments).
+    if "--nprocs" in (REPO / script).read_text():  # mp.spawn's main(rank, world_size, args)
+        call = lambda: module.main(0, 2, None)  # noqa: E731
+    else:  # a launcher's: the numbers come from torchrun's variables
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        call = lambda: module.main(None)  # noqa: E731
     with pytest.raises(SystemExit) as exit:
-        # rank 0, local rank 0, 2 processes, both on this machine: checked before set_device
-        module.setup_process_group(0, 0, 2, 2)
+        call()
     assert_one_clear_line(exit_message(exit.value), "2 processes", "1 GPU(s)")
 
 
