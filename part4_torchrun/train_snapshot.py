@@ -5,7 +5,6 @@ import os
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from functools import partial
 from itertools import islice
 
@@ -48,22 +47,18 @@ def parse_args() -> argparse.Namespace:
         "--snapshot", default="snapshot.pt", help="resume from, save to"
     )  # step 7
     parser.add_argument(
-        "--snapshot-every", type=int, default=100, help="steps"
-    )  # step 7
-    parser.add_argument(
-        "--workers", type=int, default=0, help="loader processes"
-    )  # step 7
+        "--snapshot-every", type=int, default=100, help="steps, 1 or more"
+    )  # step 8
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
         parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
-    if args.snapshot_every < 1:  # step 7
-        parser.error("--snapshot-every must be at least 1")
+    if args.snapshot_every < 1:  # step 8
+        parser.error("--snapshot-every must be 1 or more")
     if not timm.is_model(args.model):
         parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
-    for folder in {
-        os.path.dirname(p) or "." for p in [args.checkpoint, args.snapshot] if p
-    }:
+    paths = [args.checkpoint, args.snapshot]  # step 7
+    for folder in {os.path.dirname(p) or "." for p in paths if p}:
         try:
             os.makedirs(folder, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()
@@ -121,38 +116,20 @@ def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
     return train, test
 
 
-class SavesItsRandomState(Subset):
-    # step 7: random crops and flips draw from the torch RNG of the process that
-    # loads the data (the main one or a loader worker); StatefulDataLoader saves
-    # and restores it in each.
-    def state_dict(self) -> dict:
-        return {"rng": torch.get_rng_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(state["rng"])
-
-
 def build_model(name: str) -> torch.nn.Module:
     # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
     # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
     return timm.create_model(name, num_classes=10)
 
 
-# step 7: `steps` numbers the batches left of the epoch; `save` snapshots
+# step 8: `steps` numbers the steps left of the epoch; `save` snapshots
 def train_one_epoch(model, loader, optimizer, device, steps, show_bar, save):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     # disable=None: a progress bar on a terminal only, never in a job's log file
-    # step 7: numbered from where the epoch goes on; zip ends with `steps`
-    batches = zip(steps, loader, strict=False)
-    bar = tqdm(
-        batches,
-        total=len(steps),
-        leave=False,
-        disable=None if show_bar else True,
-    )
-    for step, (images, labels) in bar:  # step 7
+    bar = tqdm(steps, leave=False, disable=None if show_bar else True)
+    for step, (images, labels) in zip(bar, loader, strict=False):  # step 8
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)
@@ -163,8 +140,7 @@ def train_one_epoch(model, loader, optimizer, device, steps, show_bar, save):
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
-        # step 7: the epoch's last step is saved after the evaluation
-        if save and step + 1 < steps.stop:
+        if step + 1 < steps.stop:  # step 8: main saves at the epoch's end
             save(step + 1)
     return totals
 
@@ -197,41 +173,15 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
     log(f"saved checkpoint {path}")
 
 
-def save_snapshot(
-    path: str, state: dict, epoch: int, step: int, rng, every: int = 1
-) -> None:
-    # step 7: within an epoch, a snapshot every `every` steps
-    if step % every:
+def save_snapshot(path: str, state: dict, every=1, step=0) -> None:
+    if dist.get_rank() or step % every:  # step 8: rank 0, every `every` steps
         return
-    # step 7: each object's state, where the run stands, the epoch's first RNG
+    # step 7: each object's state and the RNG's, to a temporary file, renamed:
+    # a crash leaves no half file (a power cut also needs os.fsync first)
     snapshot = {name: obj.state_dict() for name, obj in state.items()}
-    snapshot.update(epoch=epoch, step=step, rng=rng)
-    # step 7: write a temporary file, then rename it: a process crash leaves no
-    # half file (a power cut also needs os.fsync before the rename)
+    snapshot.update(rng=torch.get_rng_state(), step=step)  # step 8
     torch.save(snapshot, path + ".tmp")
     os.replace(path + ".tmp", path)
-
-
-def load_snapshot(path: str, state: dict) -> tuple[int, int]:
-    # step 7: the epoch to go on with and its steps done; (0, 0) without one
-    if not os.path.exists(path):
-        return 0, 0
-    try:
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)
-        for name, obj in state.items():
-            # At step 0 the loader starts the epoch afresh.
-            if name != "loader" or snapshot["step"]:
-                obj.load_state_dict(snapshot[name])
-        torch.set_rng_state(snapshot["rng"])
-        return snapshot["epoch"], snapshot["step"]
-    except Exception as error:
-        # Every rank reads the same file and fails alike: rank 0 says why, the
-        # others exit 1.
-        why = type(error).__name__
-        message = f"error: cannot resume from {path} ({why}); move it away"
-        sys.exit(
-            message if not dist.is_initialized() or dist.get_rank() == 0 else 1
-        )
 
 
 def main(args: argparse.Namespace) -> None:  # step 6
@@ -248,13 +198,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # step 7: a rank that never reaches a collective fails after DDP_TIMEOUT_S
-    # seconds, and torchrun restarts the job, instead of a hang until PyTorch's
-    # default (30 minutes)
-    timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timeout
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     # step 4: name this process's GPU; "cuda" alone relies on set_device
@@ -270,14 +214,11 @@ def main(args: argparse.Namespace) -> None:  # step 6
     # step 3: each rank trains on its shard and scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
-    # step 7: a loader whose position and random state go into the snapshot
-    train_set = SavesItsRandomState(train_set, range(len(train_set)))
+    # step 8: a loader that saves its place; with a generator of its own, the
+    # RNG in the snapshot serves the random crops and flips alone
     train_loader = StatefulDataLoader(
-        train_set, args.batch_size, sampler=sampler, num_workers=args.workers
+        train_set, args.batch_size, sampler=sampler, generator=torch.Generator()
     )
-    # Not fork: a fork while other threads hold a lock can hang the worker.
-    if args.workers:
-        train_loader.multiprocessing_context = "spawn"
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)
@@ -289,51 +230,35 @@ def main(args: argparse.Namespace) -> None:  # step 6
     )
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR
     scheduler = cosine(optimizer, T_max=args.epochs)
-    # step 7: what a snapshot holds; each has state_dict(), load_state_dict()
-    state = dict(
-        model=model.module,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loader=train_loader,
-    )
-    # step 7: every rank loads the same snapshot, goes on from the step after it
-    start_epoch, first_step = load_snapshot(args.snapshot, state)
-    if start_epoch >= args.epochs:
-        # step 7: a finished run's snapshot leaves nothing to train: say so
-        if rank == 0:
-            log(
-                f"{args.snapshot} is from a finished run (epoch {start_epoch}"
-                f" of {args.epochs}): nothing to train; remove it or raise"
-                " --epochs"
-            )
-        dist.destroy_process_group()
-        return
-    if (start_epoch or first_step) and rank == 0:
-        log(
-            f"resumed from {args.snapshot}: epoch {start_epoch + 1},"
-            f" {first_step} steps done"
-        )
-    # step 7: where each epoch ends, to count the steps left of it
-    per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
+    # step 7: what a snapshot holds; every rank loads it
+    state = dict(model=model.module, optimizer=optimizer, scheduler=scheduler)
+    state["loader"], first_step = train_loader, 0  # step 8
+    if os.path.exists(args.snapshot):
+        saved = torch.load(args.snapshot, map_location="cpu")
+        # step 8: the steps done in the epoch; at 0 the loader starts it afresh
+        first_step = saved["step"]
+        for name, obj in state.items():
+            if name != "loader" or first_step:  # step 8
+                obj.load_state_dict(saved[name])
+        torch.set_rng_state(saved["rng"])
+    start_epoch = scheduler.last_epoch  # step 7: it counts the epochs done
+    if os.path.exists(args.snapshot) and rank == 0:
+        done = f"{start_epoch} of {args.epochs} epochs, {first_step} steps done"
+        log(f"resumed from {args.snapshot}: {done}")
 
+    # step 8: an epoch's steps, and the saver the training loop calls
+    per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
+    save = partial(save_snapshot, args.snapshot, state, args.snapshot_every)
     for epoch in range(start_epoch, args.epochs):  # step 7
         # step 3: a new shuffle every epoch, else epoch 0's order
         sampler.set_epoch(epoch)
-        # step 7: the loader draws from this RNG as the epoch starts; kept in a
-        # snapshot
-        rng = torch.get_rng_state()
-        steps, save = range(first_step, per_epoch), None  # step 7
-        if rank == 0:  # step 7: one writer, every --snapshot-every steps
-            every = args.snapshot_every
-            save = partial(
-                save_snapshot, args.snapshot, state, epoch, rng=rng, every=every
-            )
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
-        totals = train_one_epoch(  # step 7: the steps left, and the saver
+        steps = range(first_step, per_epoch)
+        totals = train_one_epoch(  # step 8: the steps left, and the saver
             model, train_loader, optimizer, device, steps, show_bar, save
         )
-        first_step = 0  # step 7
+        first_step = 0  # step 8
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks
         # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
@@ -346,9 +271,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-            save_snapshot(
-                args.snapshot, state, epoch + 1, 0, torch.get_rng_state()
-            )  # step 7
+            save_snapshot(args.snapshot, state)  # step 7
 
     if args.checkpoint and rank == 0:  # step 1: one writer
         # step 5: save the model inside DDP's wrapper: keys without "module."

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-# Lines per script: the spine, the speed step (part 4 plus its lesson), and step 7, which
-# resumes from any step, loader workers included: its lesson is the longest. At 80 columns
+# Lines per script: the spine, then the steps that build on part 4. At 80 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
-SPINE_LINES, SPEED_LINES, SNAPSHOT_LINES = 240, 300, 365
+SPINE_LINES, AFTER_SPINE_LINES = 240, 300
 MAX_WIDTH = 80
 
 
@@ -53,7 +52,7 @@ class Step:
     # Most changed code lines (added + removed, the module docstring apart): the measured size
     # of each diff, a ceiling to lower, raised only for a change the step itself needs.
     budget: int = 0
-    max_lines: int = SPEED_LINES
+    max_lines: int = AFTER_SPINE_LINES
     spine: bool = False  # on the way from part 1 to part 4: the tightest budgets
     checks_gpus: bool = False  # refuses more processes per node than GPUs (step 4 on)
     claims: tuple[Claim, ...] = ()
@@ -69,6 +68,8 @@ STEP6 = "part4_torchrun/train.py"
 FAST1 = "part4_torchrun/train_fast1_precision.py"
 FAST2 = "part4_torchrun/train_fast2_compile.py"
 FAST3 = "part4_torchrun/train_fast3_workers.py"  # has every speed flag
+SNAP1 = "part4_torchrun/train_epoch_snapshot.py"
+SNAP2 = "part4_torchrun/train_snapshot.py"  # resumes exactly, mid-epoch
 SPINE = {"max_lines": SPINE_LINES, "spine": True}
 # What every quick run of the DDP steps shows, from step 1 on.
 IN_A_GROUP = (
@@ -218,17 +219,24 @@ STEPS = [
     ),
     Step(
         "7",
-        "part4_torchrun/train_snapshot.py",
+        SNAP1,
         STEP6,
         "step 7",
         "torchrun",
-        "snapshots; a restart resumes",
-        (
-            *("os.replace(", "StatefulDataLoader(", "set_rng_state(", "load_state_dict("),
-            *("range(start_epoch", "range(first_step", "args.snapshot"),
-        ),
-        149,
-        max_lines=SNAPSHOT_LINES,
+        "a snapshot every epoch; a restart resumes",
+        ("os.replace(", "load_state_dict(", "set_rng_state(", "range(start_epoch"),
+        30,
+        checks_gpus=True,
+    ),
+    Step(
+        "8",
+        SNAP2,
+        SNAP1,
+        "step 8",
+        "torchrun",
+        "exact resume mid-epoch: the loader's place, every N steps",
+        ("StatefulDataLoader(", "--snapshot-every", "first_step", "generator="),
+        48,
         checks_gpus=True,
     ),
 ]

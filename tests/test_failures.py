@@ -19,16 +19,14 @@ import torch
 from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
 from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 
-SNAPSHOT_SCRIPT = BY_LABEL["7"].script
+EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each epoch
+SNAPSHOT_SCRIPT = BY_LABEL["8"].script  # and within epochs: an exact resume mid-epoch
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
 GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
     240  # seconds; a hang detector: a healthy run here takes 10-45 s, more while other tests run
 )
 FAILURE_DEADLINE = 30  # seconds from a rank's failure to the end of the whole job
-SHORT_TIMEOUT = {
-    "DDP_TIMEOUT_S": "60"
-}  # no launch here waits longer than this on a hung collective
 # torchrun's workers share the launcher's key-value store across restarts and can read the previous
 # attempt's addresses (pytorch/pytorch#135712): restarts need a fresh store per attempt.
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -81,12 +79,15 @@ def differing_tensors(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def fresh_state(module: ModuleType, name: str = "test_resnet") -> dict:
-    """A model built by the script, with an optimizer and scheduler: what a snapshot restores
-    (the loader aside)."""
-    model = module.build_model(name)
+def fresh_state(module: ModuleType, epochs_done: int = 0) -> dict:
+    """A model built by the script, with an optimizer and a scheduler that has counted
+    `epochs_done` epochs: what an epoch's snapshot holds."""
+    model = module.build_model("test_resnet")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3)
+    for _ in range(epochs_done):
+        optimizer.step()
+        scheduler.step()
     return dict(model=model, optimizer=optimizer, scheduler=scheduler)
 
 
@@ -128,7 +129,7 @@ def snapshot_run(out: Path, extra_env: dict, launcher: list[str]) -> tuple[Run, 
     run = launch(
         command,
         timeout=LAUNCH_TIMEOUT,
-        env={**SHORT_TIMEOUT, **FRESH_STORE, **extra_env},
+        env={**FRESH_STORE, **extra_env},
         probe_dir=out / "probe",
     )
     return run, out, Probe.read(out / "probe")
@@ -149,7 +150,7 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
         "Worker group FAILED. 1/1 attempts left; will restart worker group" in run.stderr
     )  # LOGLEVEL=INFO
     # Resumed mid-epoch: from the snapshot at step 2 of epoch 2, not from the epoch's start.
-    assert f"resumed from {out / 'snapshot.pt'}: epoch 2, 2 steps done" in run.stdout, (
+    assert f"resumed from {out / 'snapshot.pt'}: 1 of 3 epochs, 2 steps done" in run.stdout, (
         run.describe()
     )
     epochs = [int(e["epoch"]) for e in run.epochs()]
@@ -171,7 +172,9 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
     snapshot, expected = (
         torch.load(d / "snapshot.pt", weights_only=True) for d in (out, reference_out)
     )
-    assert (snapshot["epoch"], snapshot["step"]) == (expected["epoch"], expected["step"]) == (3, 0)
+    # The scheduler counts the epochs done.
+    where = [(s["scheduler"]["last_epoch"], s["step"]) for s in (snapshot, expected)]
+    assert where == [(3, 0), (3, 0)]
     assert torch.equal(snapshot["rng"], expected["rng"])
     for key, value in snapshot["optimizer"]["state"].items():
         assert torch.equal(
@@ -189,41 +192,48 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
         )
 
 
-def test_resume_with_loader_workers_is_exact(tmp_path: Path) -> None:
-    """Loader workers draw the random crops and flips in processes of their own; the snapshot
-    keeps each worker's random state. One process (python), two workers: killed in epoch 2
-    while the main process hands out batch indices ahead of the training (after the snapshot at
-    step 2), started again by hand, it must end with the weights of a run never stopped."""
-    flags = [*TINY_RUN, "--fake-size", "165", "--epochs", "3", "--max-steps", "9"]
-    flags += ["--workers", "2", *SNAPSHOT_EVERY]
+def test_epoch_snapshot_resumes_where_the_crash_left_it(tmp_path: Path) -> None:
+    """Step 7 under python, a world of one: a crash while the second epoch's snapshot is
+    renamed leaves the first one whole; started again, the run goes on with epoch 2 and ends
+    with the weights of a run never stopped (the snapshot keeps the RNG: the same crops)."""
+    flags = [*TINY_RUN, "--epochs", "2"]
     checkpoints = {}
-    for name, attempts in [("reference", [{}]), ("killed", [{"DDP_PROBE_KILL_AT": "0:1:7"}, {}])]:
+    for name, attempts in [
+        ("reference", [{}]),
+        ("crashed", [{"DDP_PROBE_CRASH_AT_REPLACE": "2"}, {}]),
+    ]:
         out = tmp_path / name
         (out / "probe").mkdir(parents=True)
         runs = []
-        for attempt, env in enumerate(attempts):
-            command = [PYTHON, SNAPSHOT_SCRIPT, *flags, "--snapshot", str(out / "snapshot.pt")]
+        for env in attempts:
+            command = [PYTHON, EPOCH_SNAPSHOT_SCRIPT, *flags, "--snapshot", str(out / "s.pt")]
             command += ["--checkpoint", str(out / "model.pt")]
-            # One thread: the main process and its two workers share the cores with other tests.
-            env = {
-                **SHORT_TIMEOUT,
-                **env,
-                "DDP_PROBE_ATTEMPT": str(attempt),
-                "OMP_NUM_THREADS": "1",
-            }
-            runs.append(
-                launch(
-                    command, timeout=LAUNCH_TIMEOUT, env=env, probe_dir=out / "probe", check=False
-                )
+            run = launch(
+                command,
+                timeout=LAUNCH_TIMEOUT,
+                env=env,
+                probe_dir=out / "probe",
+                check=False,
             )
-        if name == "killed":
-            assert runs[0].returncode == -9, runs[0].describe()
-            assert "resumed from" in runs[1].stdout and "epoch 2, 2 steps done" in runs[1].stdout, (
-                runs[1].describe()
+            runs.append(run)
+        if name == "crashed":
+            crashed, resumed = runs
+            assert crashed.returncode == -9, (
+                f"the probe kills at the second rename\n{crashed.describe()}"
             )
+            assert [e["source"] for e in Probe.read(out / "probe").events("crashed")] == [
+                f"{out / 's.pt'}.tmp"
+            ]
+            assert [int(e["epoch"]) for e in crashed.epochs()] == [1, 2]
+            assert f"resumed from {out / 's.pt'}: 1 of 2 epochs done" in resumed.stdout, (
+                resumed.describe()
+            )
+            assert [int(e["epoch"]) for e in resumed.epochs()] == [2], resumed.describe()
+            # Epoch 2 again, as the crashed attempt trained it: the same loss, to the digit.
+            assert resumed.epochs()[0]["train_loss"] == crashed.epochs()[1]["train_loss"]
         assert runs[-1].returncode == 0, runs[-1].describe()
         checkpoints[name] = torch.load(out / "model.pt", weights_only=True)
-    assert not differing_tensors(checkpoints["killed"], checkpoints["reference"])
+    assert not differing_tensors(checkpoints["crashed"], checkpoints["reference"])
 
 
 @pytest.mark.slow  # shares the runs above
@@ -248,47 +258,13 @@ def test_batchnorm_evaluation_with_uneven_batch_counts(restarted_and_reference) 
     )
 
 
-# ---- a crash between writing the snapshot and renaming it -------------------------------------
-
-
-def test_crash_before_rename_keeps_the_previous_snapshot(tmp_path: Path, probe_dir: Path) -> None:
-    snapshot = tmp_path / "snapshot.pt"
-    command = [
-        PYTHON,
-        SNAPSHOT_SCRIPT,
-        *TINY_RUN,
-        "--epochs",
-        "2",
-        "--snapshot",
-        str(snapshot),
-        "--checkpoint",
-        "",
-    ]
-    run = launch(
-        command,
-        timeout=LAUNCH_TIMEOUT,
-        env={**SHORT_TIMEOUT, "DDP_PROBE_CRASH_AT_REPLACE": "2"},
-        probe_dir=probe_dir,
-        check=False,
-    )
-    assert run.returncode == -9, (
-        f"the probe kills the process at its second rename\n{run.describe()}"
-    )
-    assert [e["source"] for e in Probe.read(probe_dir).events("crashed")] == [f"{snapshot}.tmp"]
-    assert Path(f"{snapshot}.tmp").exists(), "the second snapshot was written, but never renamed"
-    assert [int(e["epoch"]) for e in run.epochs()] == [1, 2]
-    # The script's own loader resumes from the first snapshot: epoch 2 will run again.
-    module = import_script(SNAPSHOT_SCRIPT)
-    assert module.load_snapshot(str(snapshot), fresh_state(module)) == (1, 0)
-
-
 # ---- a rank that raises ends the whole job -----------------------------------------------------
 
 
 @pytest.mark.parametrize("launcher", ["mp.spawn", "torchrun"])
 def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: Path) -> None:
     command = TWO_RANKS[launcher]
-    env = {**SHORT_TIMEOUT, "DDP_PROBE_RAISE_AT": "1:0:1"}  # a timeout alone would end it too late
+    env = {"DDP_PROBE_RAISE_AT": "1:0:1"}  # the job must end at once, not at a timeout
     run = launch(
         [*command, *TINY_RUN, "--epochs", "2", "--checkpoint", str(tmp_path / "model.pt")],
         timeout=LAUNCH_TIMEOUT,
@@ -309,7 +285,7 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 
 # ---- a hang ends at the test's timeout, and no process outlives it -----------------------------
 
-# Seconds: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
+# Seconds: far below the collective timeout (PyTorch's default, 30 minutes), so only the
 # test's own timeout can end the run; long enough for two launches side by side to start (rank 0
 # of mp.spawn was waiting after 19 s, with the other pytest workers running tests beside them).
 HANG_TIMEOUT = 40
@@ -394,6 +370,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
         ),
         (PART1, ["--checkpoint", str(a_file / "m.pt")], [f"cannot write to {a_file}: "]),
         (SNAPSHOT_SCRIPT, ["--snapshot", str(a_file / "s" / "s.pt")], [f"to {a_file}/s: "]),
+        (SNAPSHOT_SCRIPT, ["--snapshot-every", "0"], ["--snapshot-every must be 1 or more"]),
         (
             STEP5,
             ["--model", "resnet181", "--nprocs", "2"],
@@ -402,10 +379,10 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
         (STEP6, ["--batch-size", "0"], ["1 or more"]),
     ]
     # In the same launch: a snapshot from a finished run (3 epochs of 3) is said in one line,
-    # and nothing trains: exit 0, no epoch line, no checkpoint.
-    module = import_script(SNAPSHOT_SCRIPT)
+    # and nothing trains: exit 0, no epoch line.
+    module = import_script(EPOCH_SNAPSHOT_SCRIPT)
     finished = tmp_path / "finished.pt"
-    module.save_snapshot(str(finished), fresh_state(module), 3, 0, torch.get_rng_state())
+    module.save_snapshot(str(finished), fresh_state(module, epochs_done=3))
     rerun = [*TINY_RUN, "--epochs", "3", "--snapshot", str(finished)]
     rerun += ["--checkpoint", str(tmp_path / "model.pt")]
     offline = {
@@ -418,7 +395,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
             PYTHON,
             "-c",
             DRIVER,
-            json.dumps([*([s, a] for s, a, _ in cases), [SNAPSHOT_SCRIPT, rerun]]),
+            json.dumps([*([s, a] for s, a, _ in cases), [EPOCH_SNAPSHOT_SCRIPT, rerun]]),
         ],
         timeout=LAUNCH_TIMEOUT,
         env=offline,
@@ -426,11 +403,9 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
     assert len(results) == len(cases) + 1, run.describe()
     assert results.pop()["code"] == 0, run.describe()
-    said = f"{finished} is from a finished run (epoch 3 of 3): nothing to train; remove it or"
-    assert [line for line in run.stdout.splitlines() if "finished run" in line] == [
-        f"{said} raise --epochs"
-    ], run.describe()
-    assert "epoch 1/3" not in run.stdout and not (tmp_path / "model.pt").exists()
+    said = f"resumed from {finished}: 3 of 3 epochs done"
+    assert [line for line in run.stdout.splitlines() if "resumed" in line] == [said], run.describe()
+    assert "epoch 1/3" not in run.stdout and "epoch 3/3" not in run.stdout, run.describe()
     for (script, args, expected), result in zip(cases, results, strict=True):
         assert result["code"] in (1, 2), (
             f"{script} {args}: exit {result['code']}\n{result['stderr']}"
@@ -473,51 +448,3 @@ def test_more_processes_than_gpus_with_nccl(
     with pytest.raises(SystemExit) as exit:
         call()
     assert_one_clear_line(exit_message(exit.value), "2 processes", "1 GPU(s)")
-
-
-# ---- checkpoints and snapshots: damaged, another model's, or saved from a wrapper --------------
-
-
-@pytest.fixture
-def snapshot_script() -> ModuleType:
-    return import_script(SNAPSHOT_SCRIPT)
-
-
-def test_bad_snapshots_are_named_and_left_untouched(
-    snapshot_script: ModuleType, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    good = tmp_path / "good.pt"
-    rng = torch.get_rng_state()
-    snapshot_script.save_snapshot(str(good), fresh_state(snapshot_script), 1, 0, rng)
-    capsys.readouterr()
-    other_model = tmp_path / "other_model.pt"
-    other = fresh_state(snapshot_script, "resnet10t")
-    snapshot_script.save_snapshot(str(other_model), other, 1, 0, rng)
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(b"not a snapshot")
-    directory = tmp_path / "a_directory.pt"
-    directory.mkdir()
-    for path in (other_model, truncated, garbage, directory):
-        before = path.read_bytes() if path.is_file() else None
-        with pytest.raises(SystemExit) as exit:
-            snapshot_script.load_snapshot(str(path), fresh_state(snapshot_script))
-        assert_one_clear_line(
-            exit_message(exit.value), f"cannot resume from {path}", "move it away"
-        )
-        assert before is None or path.read_bytes() == before, "a bad snapshot is left as it was"
-    # In a process group, only rank 0 says it (torchrun would print every rank's line).
-    for rank, expected in ((0, f"cannot resume from {garbage}"), (1, None)):
-        monkeypatch.setattr(snapshot_script.dist, "is_initialized", lambda: True)
-        monkeypatch.setattr(snapshot_script.dist, "get_rank", lambda rank=rank: rank)
-        with pytest.raises(SystemExit) as exit:
-            snapshot_script.load_snapshot(str(garbage), fresh_state(snapshot_script))
-        if expected:
-            assert expected in exit_message(exit.value)
-        else:
-            assert exit.value.code == 1, f"rank {rank} exits with status 1 and no message"
-        monkeypatch.undo()
-    assert snapshot_script.load_snapshot(str(good), fresh_state(snapshot_script)) == (1, 0)
-    none = str(tmp_path / "none.pt")
-    assert snapshot_script.load_snapshot(none, fresh_state(snapshot_script)) == (0, 0)

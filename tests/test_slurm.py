@@ -423,8 +423,8 @@ def test_a_job_without_its_environment_says_so(
     assert "rank 0/" not in job.run.stdout, "nothing may start training"
 
 
-# Seconds from submission: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by
-# default), so only the test's own timeout can end the job. Rank 0 was waiting 15 s after
+# Seconds from submission: far below the collective timeout (PyTorch's default, 30 minutes), so
+# only the test's own timeout can end the job. Rank 0 was waiting 15 s after
 # submission, with the other pytest workers running tests beside it.
 HANG_TIMEOUT = 30
 
