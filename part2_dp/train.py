@@ -183,4 +183,5 @@ def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    args = parse_args()
+    main(args)

@@ -195,7 +195,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
 
 
 if __name__ == "__main__":
-    args = parse_args()  # step 1
+    args = parse_args()
     # step 1: rank 0 listens on a port the OS says is free; the others join
     with socket.create_server(("127.0.0.1", 0)) as free:
         port = free.getsockname()[1]

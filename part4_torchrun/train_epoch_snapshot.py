@@ -68,11 +68,10 @@ def log(message: str) -> None:
 
 
 def read_launcher_env() -> tuple[int, ...]:
-    # step 6: torchrun and srun say who each process is; under python: a world
-    # of one, whose rank 0 listens on a port the OS picks (port 0)
+    # step 6: torchrun and srun say who each process is; python: a world of one
     env = os.environ
     if "RANK" not in env and "SLURM_STEP_ID" not in env:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
         return 0, 0, 1, 1
     needs = {"MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE"}
     if "RANK" not in env and not needs <= env.keys():
@@ -259,5 +258,5 @@ def main(args: argparse.Namespace) -> None:  # step 6
 
 
 if __name__ == "__main__":
-    args = parse_args()  # step 1
+    args = parse_args()
     main(args)  # step 6: torchrun, srun or python start it once per process

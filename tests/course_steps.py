@@ -114,7 +114,7 @@ STEPS = [
             *("init_process_group", "destroy_process_group", "mp.spawn", "set_device"),
             *("barrier", "gloo", "nccl", "MASTER_ADDR", "rank == 0"),
         ),
-        42,
+        41,
         **SPINE,
         claims=(*SPAWNED, Claim.WHOLE_DATA_EACH, Claim.BARE_LOAD),
     ),
@@ -176,7 +176,7 @@ STEPS = [
         "torchrun",
         "the launcher says who each process is",
         ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
-        32,
+        31,
         **SPINE,
         checks_gpus=True,
         claims=(
