@@ -253,11 +253,10 @@ def main(args: argparse.Namespace) -> None:  # step 6
         sampler.set_epoch(epoch)
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
-        steps = range(first_step, per_epoch)
-        totals = train_one_epoch(  # step 8: the steps left, and the saver
+        steps, first_step = range(first_step, per_epoch), 0
+        totals = train_one_epoch(  # step 8: the steps left; next epoch from 0
             model, train_loader, optimizer, device, steps, show_bar, save
         )
-        first_step = 0  # step 8
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks
         # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()

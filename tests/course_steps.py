@@ -236,7 +236,7 @@ STEPS = [
         "torchrun",
         "exact resume mid-epoch: the loader's place, every N steps",
         ("StatefulDataLoader(", "--snapshot-every", "first_step", "generator="),
-        48,
+        47,
         checks_gpus=True,
     ),
 ]
