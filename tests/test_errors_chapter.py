@@ -51,7 +51,8 @@ LAUNCHES: dict[str, tuple[list[str], dict[str, str]]] = {
     "twice_non_reentrant": (script("checkpoint_twice.py", "--fix", "non-reentrant"), {}),
     "twice_static": (script("checkpoint_twice.py", "--fix", "static-graph"), {}),
     "compile": (script("compile_order.py"), {}),
-    "compile_fix": (script("compile_order.py", "--fix"), {}),
+    "compile_inner": (script("compile_order.py", "--fix", "compile-inner"), {}),
+    "compile_wrap": (script("compile_order.py", "--fix", "wrap-then-compile"), {}),
     "load": (script("load_every_rank.py"), {}),
     "load_fix": (script("load_every_rank.py", "--fix"), {}),
     "random": (script("random_state.py"), {}),
@@ -224,15 +225,17 @@ def test_batchnorm_per_rank_statistics_and_syncbatchnorm_on_cpu(runs: dict[str, 
         failed_with(fixed, "SyncBatchNorm layers only work with GPU modules")
 
 
-def test_compile_then_wrap_prefixes_the_checkpoint(runs: dict[str, Run]) -> None:
-    broken, fixed = runs["compile"], runs["compile_fix"]
-    failed_with(broken, 'Unexpected key(s) in state_dict: "_orig_mod.layers.0.weight"')
-    passed(fixed)
-    # 8 layers of 1 MB and 1 MB buckets: 8 buckets, and a graph for each, in either order.
-    for run, fix in ((broken, "False"), (fixed, "True")):
-        assert values(run.stdout, "graphs") == [{"fix": fix, "graphs": "8"}], run.describe()
-    (loaded,) = values(fixed.stdout, "loaded")
-    assert (loaded["keys"], loaded["first_key"]) == ("16", "layers.0.weight")
+def test_torch_compile_before_ddp_prefixes_the_checkpoint(runs: dict[str, Run]) -> None:
+    failed_with(runs["compile"], 'Unexpected key(s) in state_dict: "_orig_mod.layers.0.weight"')
+    # 8 layers of 1 MB and 1 MB buckets: 8 buckets, and a graph for each, whichever the order;
+    # but compiling the DDP module compiles nothing of a bare nn.Sequential.
+    expected = {"compile": (8, 8), "compile_inner": (8, 8), "compile_wrap": (8, 0)}
+    for name, (net, sequential) in expected.items():
+        graphs = {g["model"]: int(g["graphs"]) for g in values(runs[name].stdout, "graphs")}
+        assert graphs == {"Net": net, "Sequential": sequential}, runs[name].describe()
+    for name in ("compile_inner", "compile_wrap"):
+        (loaded,) = values(passed(runs[name]), "loaded")
+        assert (loaded["keys"], loaded["first_key"]) == ("16", "layers.0.weight")
 
 
 def test_benchmark_prints_a_ratio_per_setup(runs: dict[str, Run]) -> None:

@@ -2,9 +2,10 @@
 
 The model applies the same block twice (shared weights), and checkpoints
 each application to save memory: its activations are recomputed during the
-backward pass. The default checkpoint here, use_reentrant=True, runs that
-recomputation as a backward pass of its own, one per call, and DDP's hook on
-the block's parameters fires in each: the first backward fails with
+backward pass. With use_reentrant=True (what the script passes without a
+fix), each call runs its recomputation as a backward pass of its own, and
+DDP's hook on the block's parameters fires in each: the first backward
+fails with
 
     RuntimeError: Expected to mark a variable ready only once.
 

@@ -1,31 +1,39 @@
-"""torch.compile with DDP: wrap first, then compile.
+"""torch.compile with DDP: the order, and what each one keeps.
 
 torch.compile(model) returns a wrapper whose state_dict keys start with
-"_orig_mod.". Compiled first and then wrapped in DDP, that wrapper is what
-DDP holds, so the checkpoint saved from model.module carries the prefix, and
-a plain script that loads it into the bare model fails with
+"_orig_mod.". Compiled so and then wrapped in DDP, that wrapper is what DDP
+holds, so the checkpoint saved from ddp.module carries the prefix, and a
+plain script that loads it into the bare model fails with
 
     RuntimeError: Error(s) in loading state_dict for Net:
     ... Unexpected key(s) in state_dict: "_orig_mod.layers.0.weight", ...
 
-Either way, while DDP's forward pass runs, TorchDynamo splits the captured
-graph at DDP's bucket boundaries (its DDPOptimizer), so that each bucket's
-all-reduce can start while the backward pass of the graphs before it still
-runs. The script counts the graphs: one per 1 MB bucket here.
-
-The backend here only counts the graphs and runs them as captured;
-torch.compile's default backend, inductor, generates code for each
-(benchmark.py measures it).
+The fixes compile in place with the module's own .compile(), which adds no
+wrapper, in either order:
 
     python part4_torchrun/errors/compile_order.py
-    python part4_torchrun/errors/compile_order.py --fix
+    python part4_torchrun/errors/compile_order.py --fix compile-inner
+    python part4_torchrun/errors/compile_order.py --fix wrap-then-compile
 
---fix: DDP(model) first, then .compile() on the DDP module, in place: the
-order the DDP notes give, and the keys stay the bare model's.
+--fix compile-inner: model.compile(), then DDP(model): what PyTorch's "Where
+to apply torch.compile?" page advises. --fix wrap-then-compile: DDP(model),
+then .compile() on the DDP module: what the DDP notes show, and what the
+course's speed step 2 does.
+
+While DDP's forward pass runs, TorchDynamo splits the captured graph at
+DDP's bucket boundaries (its DDPOptimizer), so that each bucket's all-reduce
+can start while the backward pass of the graphs before it still runs. The
+script counts the graphs, with a backend that only counts them and runs
+them as captured (torch.compile's default backend, inductor, generates code
+for each; benchmark.py measures it): one per 1 MB bucket. It does so for
+two models with the same 8 layers: Net, a class of this script, and a bare
+nn.Sequential, PyTorch's own class, which compiling the DDP module does not
+compile at all.
 
 Evidence lines (rank 0):
-    graphs fix=True graphs=8
-    loaded fix=True keys=16 first_key=layers.0.weight
+    graphs fix=compile-inner model=Net graphs=8
+    graphs fix=compile-inner model=Sequential graphs=8
+    loaded fix=compile-inner keys=16 first_key=layers.0.weight
 """
 
 import argparse
@@ -46,14 +54,14 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WORLD_SIZE = 2
-# Graphs handed to the backend, in this process.
-GRAPHS = []
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--fix", action="store_true", help="wrap in DDP, then compile"
+        "--fix",
+        choices=["compile-inner", "wrap-then-compile"],
+        help="compile in place, before or after DDP wraps the model",
     )
     parser.add_argument(
         "--timeout", type=float, default=60, help="collective timeout, s"
@@ -75,10 +83,13 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def count_graphs(graph_module, example_inputs):
+def counting_backend(graphs: list):
     # A torch.compile backend: notes each graph, runs it as captured.
-    GRAPHS.append(graph_module)
-    return graph_module.forward
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend
 
 
 class Net(nn.Module):
@@ -94,6 +105,20 @@ class Net(nn.Module):
         return x
 
 
+def wrap(net: nn.Module, fix: str | None, backend) -> DDP:
+    if fix == "compile-inner":
+        # fix: compile the model in place, then wrap it
+        net.compile(backend=backend)
+        return DDP(net, bucket_cap_mb=1)
+    if fix == "wrap-then-compile":
+        # fix: wrap, then compile the DDP module in place
+        model = DDP(net, bucket_cap_mb=1)
+        model.compile(backend=backend)
+        return model
+    # The bug: DDP holds torch.compile's wrapper (keys "_orig_mod.")
+    return DDP(torch.compile(net, backend=backend), bucket_cap_mb=1)
+
+
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(
@@ -101,24 +126,25 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     )
     torch.manual_seed(0)
     net = Net()
-    if args.fix:
-        # fix: wrap, then compile the DDP module in place
-        model = DDP(net, bucket_cap_mb=1)
-        model.compile(backend=count_graphs)
-    else:
-        # The bug: DDP wraps the compiled wrapper (keys "_orig_mod.")
-        model = DDP(torch.compile(net, backend=count_graphs), bucket_cap_mb=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(3):
-        model(torch.randn(8, 512)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    if rank == 0:
-        log(f"graphs fix={args.fix} graphs={len(GRAPHS)}")
+    # The same layers in PyTorch's own container.
+    sequential = nn.Sequential(
+        *(m for layer in net.layers for m in (layer, nn.ReLU()))
+    )
+    for name, module in (("Net", net), ("Sequential", sequential)):
+        graphs = []
+        model = wrap(module, args.fix, counting_backend(graphs))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            model(torch.randn(8, 512)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if rank == 0:
+            log(f"graphs fix={args.fix} model={name} graphs={len(graphs)}")
+        if name == "Net":
+            state = model.module.state_dict()
 
     # What a plain script does with the checkpoint: load it into the bare
-    # model (strict: every key must match). Without the fix it raises here.
-    state = model.module.state_dict()
+    # model (strict: every key must match). Without a fix it raises here.
     Net().load_state_dict(state)
     if rank == 0:
         first = next(iter(state))
