@@ -217,12 +217,8 @@ def test_batchnorm_per_rank_statistics_and_syncbatchnorm_on_cpu(runs: dict[str, 
     (buffers,) = values(stdout, "buffers")
     # Each rank's running statistics drift apart; DDP puts rank 0's back before each forward.
     assert buffers == {"after_forward_equal": "False", "next_forward_starts_from_rank0": "True"}
-    fixed = runs["batchnorm_fix"]
-    if "bn sync=True" in fixed.stdout:
-        # A machine with GPUs: the global statistics exactly.
-        assert all(float(b["mean_abs_diff"]) < 1e-5 for b in values(fixed.stdout, "bn"))
-    else:
-        failed_with(fixed, "SyncBatchNorm layers only work with GPU modules")
+    # The fix on a CPU: SyncBatchNorm is refused.
+    failed_with(runs["batchnorm_fix"], "SyncBatchNorm layers only work with GPU modules")
 
 
 def test_torch_compile_before_ddp_prefixes_the_checkpoint(runs: dict[str, Run]) -> None:

@@ -7,7 +7,7 @@ the global batch: noisy, and unlike a one-process run with the same global
 batch. The script measures how far each rank's normalised output is from
 the output with the global batch's statistics, per batch size per rank.
 It also shows where the running statistics (used at evaluation) come from:
-DDP copies rank 0's buffers to every rank before each forward pass
+DDP copies rank 0's buffers to every rank before each training forward pass
 (broadcast_buffers=True), so they are estimated from rank 0's samples alone.
 
 SyncBatchNorm computes the statistics over all ranks (the fix), but only on
@@ -21,7 +21,8 @@ https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
     python part4_torchrun/errors/batchnorm.py --fix
 
 --fix: nn.SyncBatchNorm.convert_sync_batchnorm(model) before DDP. On a CPU
-it fails as above; on GPUs (not run here) mean_abs_diff would be ~0.
+it fails as above. The script runs on CPUs only (gloo); SyncBatchNorm needs
+the model and data on GPUs and the nccl backend: not run here.
 
 Evidence lines (rank 0):
     bn sync=False per_rank_batch=2 global_batch=4 mean_abs_diff=0.6088
@@ -87,22 +88,18 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=timeout
     )
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     model = nn.BatchNorm1d(FEATURES)
     if args.fix:
         # fix: statistics over all ranks' samples (GPU modules only)
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # On a CPU, with the fix, DDP raises here.
-    ddp = DDP(model.to(device))
+    ddp = DDP(model)
     generator = torch.Generator().manual_seed(rank)
     for batch in map(int, args.batch_sizes.split(",")):
         diffs = []
         for _ in range(args.trials):
             # Features of mean 3 and standard deviation 2.
-            x = (3 + 2 * torch.randn(batch, FEATURES, generator=generator)).to(
-                device
-            )
+            x = 3 + 2 * torch.randn(batch, FEATURES, generator=generator)
             # A training step's forward and backward (no update: the
             # weights stay 1 and the biases 0).
             mine = ddp(x)
@@ -116,7 +113,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
                     torch.cat(everyone), None, None, training=True
                 ).chunk(world_size)[rank]
             diffs.append((mine.detach() - reference).abs().mean())
-        diff = torch.stack(diffs).mean().cpu()
+        diff = torch.stack(diffs).mean()
         dist.all_reduce(diff)
         if rank == 0:
             log(
@@ -132,7 +129,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     )
     ended = model.running_mean.clone()
     ddp(x).sum().backward()
-    buffers = torch.stack([ended, seen["start"]]).cpu()
+    buffers = torch.stack([ended, seen["start"]])
     copies = [torch.zeros_like(buffers) for _ in range(world_size)]
     dist.all_gather(copies, buffers)
     if rank == 0:
