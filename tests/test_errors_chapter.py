@@ -235,14 +235,16 @@ def test_torch_compile_before_ddp_prefixes_the_checkpoint(runs: dict[str, Run]) 
 
 
 def test_benchmark_prints_a_ratio_per_setup(runs: dict[str, Run]) -> None:
+    # A smoke run (--no-compile, one round of one step): the lines, not the timings.
     run = runs["benchmark"]
     lines = values(passed(run), "bench")
-    groups = [line["group"] for line in lines]
-    assert sorted(set(groups)) == ["knobs", "large_batch", "small_batch"]
-    for group in set(groups):
+    settings = [line["setting"] for line in lines]
+    assert len(settings) == 10 and "compile_inner" not in settings, settings
+    assert {line["group"] for line in lines} == {"knobs", "large_batch", "small_batch"}
+    for group in ("knobs", "large_batch", "small_batch"):
         first = next(line for line in lines if line["group"] == group)
-        assert first["ratio"] == "1.00", "each group's first line is its baseline"
-    assert all(float(line["ms"]) > 0 for line in lines)
+        assert first["ratio"] == first["cpu_ratio"] == "1.00", "each group's first is its base"
+    assert all(float(line["ms"]) > 0 and float(line["cpu_ms"]) > 0 for line in lines)
     assert "did not find any unused parameters in the forward pass" in run.stderr
 
 

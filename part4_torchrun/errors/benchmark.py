@@ -2,10 +2,11 @@
 
 Two ranks train the same model (8 layers of 512 x 512, 8 MB of gradients)
 in several DDP set-ups, taking turns, so that every set-up meets the same
-machine load. Each line gives the time per training step (forward,
+machine load. Each line gives the wall time per training step (forward,
 backward, SGD step; the slower rank's; the fastest of --repeats rounds, as
-other jobs on the machine only ever add time) and its ratio to the first
-line of its group:
+other jobs on the machine only ever add time), the CPU time per step (the
+ranks' mean; waiting not counted, so little changed by other jobs), and
+their ratios to the first line of its group:
 
 - small_batch, large_batch: a step inside no_sync() (no communication)
   against the same step with DDP's all-reduce, with 8 and 128 samples per
@@ -22,16 +23,18 @@ line of its group:
 
     python part4_torchrun/errors/benchmark.py
 
-Evidence lines (rank 0):
-    bench group=small_batch setting=no_sync batch=8 ms=32.80 ratio=1.00
-    bench group=small_batch setting=all_reduce batch=8 ms=59.74 ratio=1.82
+Evidence lines (rank 0; the wall times of a loaded machine):
+    bench group=small_batch setting=no_sync batch=8 ms=32.63 ratio=1.00
+        cpu_ms=5.36 cpu_ratio=1.00
+    bench group=small_batch setting=all_reduce batch=8 ms=28.99 ratio=0.89
+        cpu_ms=11.36 cpu_ratio=2.12
 """
 
 import argparse
 import contextlib
 import os
-import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -96,13 +99,6 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def find_free_port() -> int:
-    # Port 0: the OS picks a free one.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Net(nn.Module):
     """8 layers of 512 x 512: 1 MB of float32 weights each."""
 
@@ -128,12 +124,14 @@ def build(kwargs: dict, how: str):
     return model, optimizer
 
 
-def run_steps(model, optimizer, batch: int, how: str, steps: int) -> float:
-    """Seconds per step on this rank."""
+def run_steps(model, optimizer, batch: int, how: str, steps: int):
+    """(wall, CPU) seconds per step on this rank. The CPU time counts every
+    thread of the process (gloo's too) and not the time spent waiting, so
+    other jobs on the machine barely change it."""
     x = torch.randn(batch, 512)
     # The ranks start together.
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         quiet = (
             model.no_sync() if how == "no_sync" else contextlib.nullcontext()
@@ -142,14 +140,21 @@ def run_steps(model, optimizer, batch: int, how: str, steps: int) -> float:
             model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    return (time.perf_counter() - start) / steps
+    wall = time.perf_counter() - start
+    return wall / steps, (time.process_time() - cpu_start) / steps
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def worker(
+    rank: int, world_size: int, rendezvous: str, args: argparse.Namespace
+) -> None:
     # One thread per rank: 2 ranks on a 2-core machine.
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
+        "gloo",
+        init_method=rendezvous,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=5),
     )
     setups = [s for s in SETUPS if not (args.no_compile and "compile" in s[4])]
     built = []
@@ -159,42 +164,51 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         # happens here too.
         run_steps(model, optimizer, batch, how, 2)
         built.append((model, optimizer))
-    times = [[] for _ in setups]
+    walls, cpus = [[] for _ in setups], [[] for _ in setups]
     for _ in range(args.repeats):
         # Rounds: each set-up in turn, so all meet the same load.
         for i, ((_, _, batch, _, how), (model, optimizer)) in enumerate(
             zip(setups, built, strict=True)
         ):
-            seconds = torch.tensor(
-                run_steps(model, optimizer, batch, how, args.steps)
-            )
-            # The slower rank's time: the step ends when both are done.
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            times[i].append(seconds.item())
+            wall, cpu = run_steps(model, optimizer, batch, how, args.steps)
+            # The slower rank's wall time: a step ends when both are done.
+            wall = torch.tensor(wall)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            walls[i].append(wall.item())
+            # The ranks' mean CPU time.
+            cpu = torch.tensor(cpu)
+            dist.all_reduce(cpu)
+            cpus[i].append(cpu.item() / world_size)
     baseline = {}
-    for (group, setting, batch, _, _), measured in zip(
-        setups, times, strict=True
+    for (group, setting, batch, _, _), wall, cpu in zip(
+        setups, walls, cpus, strict=True
     ):
-        ms = 1000 * min(measured)
-        baseline.setdefault(group, ms)
+        ms, cpu_ms = 1000 * min(wall), 1000 * min(cpu)
+        base_ms, base_cpu = baseline.setdefault(group, (ms, cpu_ms))
         if rank == 0:
             log(
                 f"bench group={group} setting={setting} batch={batch}"
-                f" ms={ms:.2f} ratio={ms / baseline[group]:.2f}"
+                f" ms={ms:.2f} ratio={ms / base_ms:.2f}"
+                f" cpu_ms={cpu_ms:.2f} cpu_ratio={cpu_ms / base_cpu:.2f}"
             )
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     args = parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     # fork: the ranks inherit the imported torch and start at once (Linux;
     # CPU only: with GPUs, spawn). DDP imports torch._dynamo on first use
     # (seconds): once here, for both ranks.
     method = "fork" if sys.platform == "linux" else "spawn"
     if method == "fork":
         import torch._dynamo
-    mp.start_processes(
-        worker, (WORLD_SIZE, args), nprocs=WORLD_SIZE, start_method=method
-    )
+    # The ranks meet through a file (init_method="file://..."): no port to
+    # pick, so no clash with another job on the machine.
+    with tempfile.TemporaryDirectory() as directory:
+        rendezvous = "file://" + os.path.join(directory, "rendezvous")
+        mp.start_processes(
+            worker,
+            (WORLD_SIZE, rendezvous, args),
+            nprocs=WORLD_SIZE,
+            start_method=method,
+        )

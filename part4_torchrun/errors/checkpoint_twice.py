@@ -28,8 +28,8 @@ Evidence lines (rank 0):
 
 import argparse
 import os
-import socket
 import sys
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -68,13 +68,6 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def find_free_port() -> int:
-    # Port 0: the OS picks a free one.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Net(nn.Module):
     """A stem, one block applied twice (shared weights), a head."""
 
@@ -101,10 +94,16 @@ def ranks_equal(model: nn.Module) -> bool:
     return all(torch.equal(copies[0], c) for c in copies)
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def worker(
+    rank: int, world_size: int, rendezvous: str, args: argparse.Namespace
+) -> None:
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timeout
+        "gloo",
+        init_method=rendezvous,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
     torch.manual_seed(0)
     # fix non-reentrant: the recomputation joins the one backward pass
@@ -132,14 +131,19 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     # fork: the ranks inherit the imported torch and start at once (Linux;
     # CPU only: with GPUs, spawn). DDP imports torch._dynamo on first use
     # (seconds): once here, for both ranks.
     method = "fork" if sys.platform == "linux" else "spawn"
     if method == "fork":
         import torch._dynamo
-    mp.start_processes(
-        worker, (WORLD_SIZE, args), nprocs=WORLD_SIZE, start_method=method
-    )
+    # The ranks meet through a file (init_method="file://..."): no port to
+    # pick, so no clash with another job on the machine.
+    with tempfile.TemporaryDirectory() as directory:
+        rendezvous = "file://" + os.path.join(directory, "rendezvous")
+        mp.start_processes(
+            worker,
+            (WORLD_SIZE, rendezvous, args),
+            nprocs=WORLD_SIZE,
+            start_method=method,
+        )

@@ -28,7 +28,6 @@ Evidence lines (one per rank):
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 from datetime import timedelta
@@ -59,22 +58,21 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def find_free_port() -> int:
-    # Port 0: the OS picks a free one.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def label_as_gpu0(storage) -> str | None:
     # The label torch.save writes for a tensor on GPU 0.
     return "cuda:0" if storage.device.type == "cpu" else None
 
 
-def worker(rank: int, world_size: int, path: str, args) -> None:
+def worker(
+    rank: int, world_size: int, rendezvous: str, path: str, args
+) -> None:
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timeout
+        "gloo",
+        init_method=rendezvous,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
     torch.manual_seed(0)
     model = nn.Linear(16, 4)
@@ -118,16 +116,17 @@ def worker(rank: int, world_size: int, path: str, args) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     # fork: the ranks inherit the imported torch and start at once (Linux;
     # CPU only: with GPUs, spawn).
     method = "fork" if sys.platform == "linux" else "spawn"
+    # The ranks meet through a file (init_method="file://..."): no port to
+    # pick, so no clash with another job on the machine.
     with tempfile.TemporaryDirectory() as directory:
+        rendezvous = "file://" + os.path.join(directory, "rendezvous")
         path = os.path.join(directory, "checkpoint.pt")
         mp.start_processes(
             worker,
-            (WORLD_SIZE, path, args),
+            (WORLD_SIZE, rendezvous, path, args),
             nprocs=WORLD_SIZE,
             start_method=method,
         )

@@ -21,8 +21,8 @@ Evidence lines (rank 0):
 
 import argparse
 import os
-import socket
 import sys
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -52,13 +52,6 @@ def log(message: str) -> None:
     # interleave.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
-
-
-def find_free_port() -> int:
-    # Port 0: the OS picks a free one.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Augmented(Dataset):
@@ -91,10 +84,16 @@ def gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
     return copies
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def worker(
+    rank: int, world_size: int, rendezvous: str, args: argparse.Namespace
+) -> None:
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timeout
+        "gloo",
+        init_method=rendezvous,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
     # The same seed on every rank: the same initial weights.
     torch.manual_seed(args.seed)
@@ -127,11 +126,16 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     # fork: the ranks inherit the imported torch and start at once (Linux;
     # CPU only: with GPUs, spawn).
     method = "fork" if sys.platform == "linux" else "spawn"
-    mp.start_processes(
-        worker, (WORLD_SIZE, args), nprocs=WORLD_SIZE, start_method=method
-    )
+    # The ranks meet through a file (init_method="file://..."): no port to
+    # pick, so no clash with another job on the machine.
+    with tempfile.TemporaryDirectory() as directory:
+        rendezvous = "file://" + os.path.join(directory, "rendezvous")
+        mp.start_processes(
+            worker,
+            (WORLD_SIZE, rendezvous, args),
+            nprocs=WORLD_SIZE,
+            start_method=method,
+        )
