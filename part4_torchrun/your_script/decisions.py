@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
         "--stop-below", type=float, default=0.0, help="val loss; 0: off"
     )
     parser.add_argument(
-        "--interrupt-at", type=int, default=0, help="SIGINT to rank 1 at a step"
+        "--interrupt-at", type=int, default=0, help="SIGINT to rank 1 at step N"
     )
     parser.add_argument(
         "--check-every", type=int, default=0, help="steps; 0: no check"
@@ -149,16 +149,15 @@ def main(args: argparse.Namespace) -> None:
         for epoch in range(1, args.epochs + 1):
             model.train()
             for i in range(0, len(train_y), 16):
-                step += 1
-                if step == args.interrupt_at and rank == 1:
-                    # as if Ctrl-C reached rank 1 first
+                if step + 1 == args.interrupt_at and rank == 1:
+                    # as if Ctrl-C reached rank 1 first, as this step begins
                     os.kill(os.getpid(), signal.SIGINT)
                 if args.fix:
                     # --fix: stop when any rank was asked to, all at once
                     agreed = stop.clone()
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     if agreed.item():
-                        log(f"rank {rank} stops before step {step}: a signal")
+                        log(f"rank {rank} stops after step {step}: a signal")
                         stopped = True
                         break
                 x, y = train_x[i : i + 16], train_y[i : i + 16]
@@ -166,6 +165,7 @@ def main(args: argparse.Namespace) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                step += 1
                 if args.check_every and step % args.check_every == 0:
                     check_replicas(model.module, step)
             if stopped:
@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> None:
                 break
     except KeyboardInterrupt:
         # the single-device habit: Ctrl-C ends training, the script goes on
-        log(f"rank {rank} interrupted at step {step}: leaving training")
+        log(f"rank {rank} interrupted after step {step}: leaves training")
 
     # Every rank waits here for the others, as before a final checkpoint.
     dist.barrier()
