@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> None:
                     check_replicas(model.module, step)
             if stopped:
                 break
-            val = validate(model, val_x, val_y, args.fix)
+            val = validate(model.module, val_x, val_y, args.fix)
             plateau.step(val)
             lr = optimizer.param_groups[0]["lr"]
             log(f"epoch {epoch} rank {rank} val_loss={val:.4f} lr={lr:.4g}")

@@ -35,8 +35,8 @@ NOT_CHECKED = [
     "what the script computes with its collectives: whether a metric or a decision is global"
     " (the collectives are listed, not understood)",
     "DDP's own gradient all-reduce: it runs in C++ hooks, outside torch.distributed's functions",
-    "inputs made inside forward, and repeated samples that random augmentation made look new"
-    " (the loaders' sample indices cover map-style DataLoaders)",
+    "inputs made inside forward; samples that random augmentation made look new (the loaders'"
+    " indices cover map-style DataLoaders); without a DataLoader, repeats in different steps",
     "that dim 0 of forward's first input is the batch, and the order or continuity of a stream",
     "the optimizer's state (momentum) and anything outside the DDP-wrapped modules",
 ]
@@ -156,32 +156,37 @@ def check_steps(ranks: list[Rank]) -> Check:
 
 
 def check_inputs(ranks: list[Rank]) -> Check:
-    first_seen: dict[str, tuple[int, int]] = {}
-    shared: dict[str, set[int]] = defaultdict(set)
-    total = 0
+    """No row of a training input on two ranks in the same epoch: the same pass of the loader
+    that handed out the last batch before it, or, without a loader, the same step. (Across
+    epochs a sample may move to another rank: DistributedSampler reshuffles with set_epoch.)"""
+    owners: dict[tuple, dict[str, tuple[int, int]]] = defaultdict(dict)
+    distinct: set[str] = set()
+    total, shared, example = 0, set(), None
     for r in ranks:
         for index, e in enumerate(training_forwards(r)):
+            epoch = ("pass", *e["pass"]) if e.get("pass") else ("step", index)
             for row in e["rows"]:
                 total += 1
-                seen = first_seen.setdefault(row, (r.rank, index))
-                if seen[0] != r.rank:
-                    shared[row].add(r.rank)
+                distinct.add(row)
+                first = owners[epoch].setdefault(row, (r.rank, index))
+                if first[0] != r.rank:
+                    shared.add(row)
+                    example = example or (first, r.rank)
     if not total:
         return Check("--", "inputs disjoint", "no training forward with a tensor input")
     if not shared:
         return Check(
             "ok",
             "inputs disjoint",
-            f"{len(first_seen)} distinct rows (dim 0 of forward's first input) in {total}; none"
-            " went to two ranks",
+            f"{len(distinct)} distinct rows (dim 0 of forward's first input) in {total}; none"
+            " went to two ranks in one epoch (a loader's pass, else a step)",
         )
-    row = next(iter(shared))
-    (rank, index), other = first_seen[row], min(shared[row])
+    (rank, index), other = example
     return Check(
         "FAIL",
         "inputs disjoint",
-        f"{len(shared)} of {len(first_seen)} distinct rows went to more than one rank (first:"
-        f" rank {rank}'s training forward {index + 1}, also on rank {other})",
+        f"{len(shared)} of {len(distinct)} distinct rows went to more than one rank in one"
+        f" epoch (first: rank {rank}'s training forward {index + 1}, also on rank {other})",
     )
 
 

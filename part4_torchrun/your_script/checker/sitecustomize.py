@@ -10,11 +10,12 @@ else the launcher's RANK, else None) and "time":
 - init        {world_size, backend}               after init_process_group
 - wrap        {model, module}                     a DistributedDataParallel is made; `model`
                                                   numbers them in this process
-- forward     {model, training, shapes, digest, rows}   each call of a DDP-wrapped module:
-              training = the module is in train mode and gradients are on; digest = a hash of
-              all its tensor arguments; rows = a hash of each row (dim 0) of the first tensor
-              argument with 2 or more dimensions, else of the whole first tensor (at most
-              MAX_ROWS per call)
+- forward     {model, training, shapes, digest, rows, pass}   each call of a DDP-wrapped
+              module: training = the module is in train mode and gradients are on; digest = a
+              hash of all its tensor arguments; rows = a hash of each row (dim 0) of the first
+              tensor argument with 2 or more dimensions, else of the whole first tensor (at most
+              MAX_ROWS per call); pass = [loader, pass] of the last batch a loader handed out in
+              this process (None without one): which epoch the input belongs to
 - batch       {loader, sampler, dataset, pass, samples}   each batch a map-style DataLoader's
               batch sampler hands out, as indices into the underlying data set (through Subsets)
 - collective  {name, file, line, forwards}        the script calls a torch.distributed
@@ -153,6 +154,7 @@ def _install() -> None:
     forwards = [0]
     ended = [False]
     loaders = [0]
+    last_pass = [None]
     save = torch.serialization.save  # not torch.save, which a test probe may record
 
     original_init_pg = dist.init_process_group
@@ -194,6 +196,7 @@ def _install() -> None:
             training=training,
             shapes=[list(t.shape) for t in tensors],
             **hashes,
+            **{"pass": last_pass[0]},
         )
         return original_forward(self, *inputs, **kwargs)
 
@@ -285,6 +288,7 @@ def _install() -> None:
             except (TypeError, ValueError, IndexError):
                 # indices of a kind this recorder does not know: the batch goes unrecorded
                 samples = None
+            last_pass[0] = [tag["loader"], pass_number]
             if samples is not None:
                 record(
                     "batch",
