@@ -288,6 +288,7 @@ def test_wrapper_effects_fail_the_single_device_way_and_pass_the_ddp_way() -> No
     assert fixed["custom_method"] == ["ok shape=(4, 8)"]
     assert fixed["save_model"] == ["ok loads into a bare Net"]
     assert fixed["buffers"] == ["ok broadcast_buffers=False"]
+    assert fixed["buffers_copied"] == ["ok broadcast_buffers=True"], "or a contiguous copy"
     assert fixed["dropout"] == ["same_mask_on_every_rank=False"]
     assert fixed["device"] == [
         f"device={built if usable else 'cpu'} backend={'nccl' if usable else 'gloo'} ok"
@@ -316,6 +317,16 @@ def test_one_process_reproduces_the_original_and_two_ranks_match_it_then_drift_s
         assert two[dtype, 1] <= two[dtype, 10] <= two[dtype, 100], two
     assert two["float32", 100] < 1e-4 and two["float64", 100] < 1e-12, two
     assert two["float64", 100] < two["float32", 1], two
+    # The recipe's warning on data order: one replica of a DistributedSampler does not draw the
+    # order of shuffle=True from the same seed.
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(32))
+    torch.manual_seed(0)
+    shuffled = [int(i) for i in DataLoader(data, batch_size=None, shuffle=True)]
+    sampled = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    assert sorted(shuffled) == sorted(sampled) == data and shuffled != sampled
 
 
 # ---- the checker on the course's own step 6 ------------------------------------------------------
