@@ -383,6 +383,11 @@ def test_checker_reports_loaders_that_every_rank_reads_whole_and_refuses_bad_inp
     )
     assert status == "FAIL" and detail.startswith("4 samples drawn by more than one rank"), detail
     assert verdict(report(run), "replicas equal")[0] == "--"
+    # No records: nothing proved, so a failure.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = launch([*CHECKER, "--report", str(empty)], timeout=TIMEOUT, check=False)
+    assert run.returncode == 1 and "nothing to check" in run.stdout, run.describe()
     # Records of two runs in one folder, no command, a folder that is missing: one line each.
     (tmp_path / "102.jsonl").write_text((tmp_path / "100.jsonl").read_text())
     run = launch([*CHECKER, "--report", str(tmp_path)], timeout=TIMEOUT, check=False)
