@@ -1,0 +1,102 @@
+"""Does step 2's overlap pay? Time its training step three ways, in one run.
+
+    torchrun --standalone --nproc_per_node=2 \\
+        part4_torchrun/beyond_ddp/overlap_bench.py --sizes 1,8,16,64
+
+Each step is timed whole (forward, backward, all-reduces, Adam's step), the
+variants in turns so that a change in the machine's load hits them alike:
+- overlap: each bucket is sent as soon as its last gradient is in;
+- after: the same buckets, all sent once backward() has returned;
+- compute: no all-reduce at all (the ranks drift apart; only time counts).
+Rank 0 prints the median of each, after / overlap (the speedup) and the share
+of the exposed communication (after - compute) that overlapping hid. A size
+that holds the whole model makes one bucket, full only when backward() ends:
+there overlap and after do the same thing, and their ratio shows the noise.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from step2_buckets import Buckets, batch, build_model, log, start_group
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,8,16,64", help="bucket MB")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps")
+    parser.add_argument("--batch-size", type=int, default=128, help="per rank")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        args.sizes = [float(mb) for mb in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes: numbers of MB, comma-separated: {args.sizes}")
+    if min(args.steps, args.batch_size, args.width, args.depth) < 1:
+        parser.error("--steps, --batch-size, --width and --depth must be >= 1")
+    if min(args.sizes) <= 0:
+        parser.error("--sizes must be > 0")
+    return args
+
+
+def main(args: argparse.Namespace) -> None:
+    rank, world_size, device = start_group()
+    torch.manual_seed(args.seed)
+    model = build_model(args).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    variants = [(mb, overlap) for mb in args.sizes for overlap in (False, True)]
+    seconds = {variant: [] for variant in [*variants, None]}
+    counts = {}
+    # Step 0 warms up (memory, threads) and is not counted.
+    for step in range(args.steps + 1):
+        for variant in seconds:
+            buckets = None
+            if variant:
+                buckets = Buckets(model, variant[0], world_size, variant[1])
+                counts[variant[0]] = len(buckets.buckets)
+            images, labels = batch(args, step, rank, world_size, device)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if buckets:
+                buckets.wait()
+                buckets.remove()
+            optimizer.step()
+            if step:
+                seconds[variant].append(time.perf_counter() - start)
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        log(
+            f"machine cpus={os.cpu_count()} torch={torch.__version__}"
+            f" backend={dist.get_backend()} world_size={world_size}"
+            f" threads={torch.get_num_threads()} device={device}"
+            f" params={params} steps={args.steps}"
+        )
+        ms = {v: 1000 * statistics.median(s) for v, s in seconds.items()}
+        for mb in args.sizes:
+            after, overlap, compute = ms[mb, False], ms[mb, True], ms[None]
+            # What overlapping saved, as a share of what communication cost.
+            hidden = "n/a"
+            if after > compute:
+                hidden = f"{100 * (after - overlap) / (after - compute):.0f}%"
+            log(
+                f"bench bucket_mb={mb:g} buckets={counts[mb]}"
+                f" after_ms={after:.2f} overlap_ms={overlap:.2f}"
+                f" compute_ms={compute:.2f} speedup={after / overlap:.3f}"
+                f" hidden={hidden}"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(parse_args())
