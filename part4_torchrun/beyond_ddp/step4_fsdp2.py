@@ -1,0 +1,339 @@
+"""A step of a PyTorch DDP course: train an image classifier. See its README."""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from itertools import islice
+
+import timm
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import torchvision
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import transforms
+from tqdm import tqdm
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="per process"
+    )
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--model", default="resnet18", help="timm's, 32x32 in")
+    parser.add_argument(
+        "--dataset", default="cifar10", choices=["cifar10", "fake"]
+    )
+    parser.add_argument("--fake-size", type=int, default=50_000, help="images")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="per epoch; 0: all"
+    )
+    parser.add_argument(
+        "--checkpoint", default="checkpoint.pt", help="'': none"
+    )
+    parser.add_argument(
+        "--sharded", default="", help="folder of sharded checkpoints"
+    )
+    args = parser.parse_args()
+    # Bad input, or a folder it cannot write to, ends here in one line.
+    if min(args.epochs, args.batch_size, args.fake_size) < 1:
+        parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
+    if not timm.is_model(args.model):
+        parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
+    folders = {os.path.dirname(p) or "." for p in [args.checkpoint] if p}
+    # FSDP2: the sharded checkpoints' folder must be writable too
+    for folder in folders | ({args.sharded} if args.sharded else set()):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            where = os.path.abspath(folder)
+            parser.error(f"cannot write to {where}: {error.strerror}")
+    return args
+
+
+def log(message: str) -> None:
+    # One write per line: lines of processes sharing a terminal stay whole.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def read_launcher_env() -> tuple[int, ...]:
+    # step 6: torchrun and srun say who each process is; under python: a world
+    # of one, whose rank 0 listens on a port the OS picks (port 0)
+    env = os.environ
+    if "RANK" not in env and "SLURM_STEP_ID" not in env:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        return 0, 0, 1, 1
+    needs = {"MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE"}
+    if "RANK" not in env and not needs <= env.keys():
+        sys.exit(f"error: under srun, set {sorted(needs - env.keys())}")
+    torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
+    srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
+    srun.append("SLURM_NTASKS_PER_NODE")
+    return tuple(int(env[n]) for n in (torchrun if "RANK" in env else srun))
+
+
+def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
+    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    to_tensor = [transforms.ToTensor(), normalize]
+    flip = transforms.RandomHorizontalFlip()
+    augment = [transforms.RandomCrop(32, padding=4), flip]
+    train_tf = transforms.Compose(augment + to_tensor)
+    test_tf = transforms.Compose(to_tensor)
+    if args.dataset == "fake":
+        # Random images of CIFAR-10's shape: runs offline, learns nothing.
+        size, shape = args.fake_size, (3, 32, 32)
+        train = torchvision.datasets.FakeData(size, shape, 10, train_tf)
+        test = torchvision.datasets.FakeData(
+            size // 5, shape, 10, test_tf, random_offset=size
+        )
+        return train, test
+    try:
+        cifar10 = torchvision.datasets.CIFAR10
+        train = cifar10(args.data_dir, True, train_tf, download=download)
+        test = cifar10(args.data_dir, False, test_tf, download=download)
+    except (OSError, RuntimeError) as error:
+        # Offline (a URLError is an OSError), or files missing or damaged.
+        where = os.path.abspath(args.data_dir)
+        sys.exit(f"error: no CIFAR-10 in {where} ({error}); try --dataset fake")
+    return train, test
+
+
+def build_model(name: str) -> torch.nn.Module:
+    # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
+    # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
+    return timm.create_model(name, num_classes=10)
+
+
+def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar):
+    """(summed loss, correct predictions, images): one tensor on `device`."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    steps = min(len(loader), max_steps or len(loader))
+    # disable=None: a progress bar on a terminal only, never in a job's log file
+    batches = islice(loader, steps)
+    bar = tqdm(batches, steps, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        # Sums stay on the device: .item() would wait for the GPU at every step.
+        totals[0] += loss.detach() * len(labels)
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_steps: int):
+    """(correct predictions, images) as one tensor on `device`; 0 steps: all."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for images, labels in islice(loader, max_steps or None):
+        images, labels = images.to(device), labels.to(device)
+        totals[0] += (model(images).argmax(1) == labels).sum()
+        totals[1] += len(labels)
+    return totals
+
+
+def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
+    (loss_sum, correct, seen), (test_correct, test_seen) = train, test
+    return (
+        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
+        f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}%"
+        f" test_samples={int(test_seen)}"
+        f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
+    )
+
+
+def save_checkpoint(state_dict: dict, path: str) -> None:  # FSDP2
+    torch.save(state_dict, path)
+    log(f"saved checkpoint {path}")
+
+
+def sharded_state(model, optimizer, scheduler) -> dict:
+    # FSDP2: the model's and the optimizer's state as DTensors: this rank's
+    # shards, each tagged with where it sits in the whole tensor
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    state.update(scheduler=scheduler.state_dict(), rng=torch.get_rng_state())
+    return state
+
+
+def save_sharded(folder: str, model, optimizer, scheduler, epochs: int):
+    # FSDP2: every rank writes its own shards, all at once, nothing gathered;
+    # the .metadata file, written last, maps the pieces to whole tensors
+    path = os.path.join(folder, f"epoch_{epochs}")
+    dcp.save(sharded_state(model, optimizer, scheduler), checkpoint_id=path)
+    if dist.get_rank() == 0:
+        log(f"saved sharded checkpoint {path}")
+
+
+def load_sharded(folder: str, model, optimizer, scheduler) -> int:
+    """Epochs done in the newest whole checkpoint in `folder`; 0: none."""
+    # FSDP2: a save cut short has no .metadata: it is skipped
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    done = [int(n[6:]) for n in names if n.startswith("epoch_")]
+    done = [e for e in done if os.path.exists(f"{folder}/epoch_{e}/.metadata")]
+    if not done:
+        return 0
+    path = os.path.join(folder, f"epoch_{max(done)}")
+    state = sharded_state(model, optimizer, scheduler)
+    # FSDP2: each rank reads the pieces of its own shards, whatever the world
+    # size that wrote them: DCP reshards on load
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except dcp.api.CheckpointException as error:
+        # e.g. a checkpoint of another --model: the first rank's reason
+        reason = next(iter(error.failures.values()))[0]
+        sys.exit(f"error: cannot resume from {path}: {reason}")
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    if dist.get_rank() == 0:
+        log(f"resumed from {path} on {dist.get_world_size()} rank(s)")
+    return max(done)
+
+
+def memory_line(rank: int, model, optimizer) -> str:
+    # FSDP2: the bytes this rank holds between steps: its shards (to_local)
+    # of the weights, of their gradients and of SGD's momentum
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    momenta = [s["momentum_buffer"] for s in optimizer.state.values()]
+    whole = sum(p.numel() * p.element_size() for p in params)
+    held = [sum(t.to_local().nbytes for t in ts) for ts in (params, grads)]
+    held.append(sum(t.to_local().nbytes for t in momenta))
+    return (
+        f"memory rank={rank} params_bytes={held[0]} grads_bytes={held[1]}"
+        f" optimizer_bytes={held[2]} whole_params_bytes={whole}"
+    )
+
+
+def main(args: argparse.Namespace) -> None:  # step 6
+    rank, local_rank, world_size, local_world_size = read_launcher_env()
+    # step 1: NCCL for NVIDIA GPUs, one per process; gloo for CPUs
+    if torch.cuda.is_available():
+        # step 4: one GPU per process
+        if local_world_size > torch.cuda.device_count():
+            gpus = torch.cuda.device_count()
+            sys.exit(f"error: {local_world_size} processes, {gpus} GPU(s)")
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # step 1: on a CPU the processes share the cores
+        threads = torch.get_num_threads() // local_world_size
+        torch.set_num_threads(max(1, threads))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # Same seed, same initial weights and the same data order on every run.
+    torch.manual_seed(args.seed)
+    # step 4: name this process's GPU; "cuda" alone relies on set_device
+    cuda = f"cuda:{local_rank}"
+    device = torch.device(cuda if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
+
+    if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
+        build_datasets(args, download=True)
+    dist.barrier()
+    train_set, test_set = build_datasets(args, download=False)
+    # step 3: each rank trains on its shard and scores every world_size-th image
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    # FSDP2: each forward gathers weights, a collective: every rank must
+    # score as many batches, so the last len % world_size images are left out
+    scored = len(test_set) // world_size * world_size
+    test_set = Subset(test_set, range(rank, scored, world_size))
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
+    test_loader = DataLoader(test_set, args.batch_size)
+
+    model = build_model(args.model).to(device)
+    # FSDP2: every rank keeps 1/world_size of each weight (a DTensor). Each
+    # top-level block is gathered whole just before it runs, freed after.
+    mesh = init_device_mesh(device.type, (world_size,))
+    for block in model.children():
+        if list(block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+    scheduler = cosine(optimizer, T_max=args.epochs)
+    start_epoch = 0
+    if args.sharded:  # FSDP2: go on from the newest sharded checkpoint
+        start_epoch = load_sharded(args.sharded, model, optimizer, scheduler)
+
+    for epoch in range(start_epoch, args.epochs):
+        # step 3: a new shuffle every epoch, else epoch 0's order
+        sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        totals = train_one_epoch(
+            model, train_loader, optimizer, device, args.max_steps, show_bar
+        )
+        dist.all_reduce(totals)  # step 3: add up the counts of all ranks
+        # .tolist() waits until the device ends the epoch: then read the clock.
+        train = totals.tolist()
+        seconds = time.perf_counter() - start
+        # FSDP2: buffers are not sharded, and each rank updated its own
+        # BatchNorm statistics: take rank 0's, as DDP does at every forward
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+        test_sums = evaluate(model, test_loader, device, args.max_steps)
+        dist.all_reduce(test_sums)  # step 3
+        test = test_sums.tolist()
+        scheduler.step()
+        if rank == 0:  # step 1: one line per epoch, not one per process
+            log(epoch_line(epoch, args.epochs, train, test, seconds))
+        if args.sharded:
+            save_sharded(args.sharded, model, optimizer, scheduler, epoch + 1)
+
+    log(memory_line(rank, model, optimizer))
+    if args.checkpoint:
+        # FSDP2: gathering whole weights is a collective: every rank joins,
+        # and with cpu_offload rank 0 alone receives them, in CPU memory
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        whole = get_model_state_dict(model, options=options)
+    if args.checkpoint and rank == 0:  # step 1: one writer
+        save_checkpoint(whole, args.checkpoint)  # FSDP2
+        saved = torch.load(args.checkpoint, map_location="cpu")
+        build_model(args.model).load_state_dict(saved)
+        log(f"checkpoint {args.checkpoint} loads into a bare {args.model}")
+    dist.destroy_process_group()  # step 1
+
+
+if __name__ == "__main__":
+    args = parse_args()  # step 1
+    main(args)  # step 6: torchrun, srun or python start it once per process
+    # FSDP2: DTensor's caches keep the mesh, and with it the gloo group and its
+    # threads, alive after destroy_process_group() (torch 2.15). Torn down as
+    # Python shuts down, they can abort the process: leave without that.
+    os._exit(0)
