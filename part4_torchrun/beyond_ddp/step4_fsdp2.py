@@ -11,14 +11,9 @@ import timm
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dcp_state
 import torch.nn.functional as F
 import torchvision
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Subset
@@ -49,9 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint", default="checkpoint.pt", help="'': none"
     )
-    parser.add_argument(
-        "--sharded", default="", help="folder of sharded checkpoints"
-    )
+    parser.add_argument("--sharded", default="", help="checkpoints' folder")
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
@@ -59,8 +52,7 @@ def parse_args() -> argparse.Namespace:
     if not timm.is_model(args.model):
         parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
     folders = {os.path.dirname(p) or "." for p in [args.checkpoint] if p}
-    # FSDP2: the sharded checkpoints' folder must be writable too
-    for folder in folders | ({args.sharded} if args.sharded else set()):
+    for folder in folders | {args.sharded} - {""}:  # FSDP2: and --sharded
         try:
             os.makedirs(folder, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()
@@ -77,11 +69,10 @@ def log(message: str) -> None:
 
 
 def read_launcher_env() -> tuple[int, ...]:
-    # step 6: torchrun and srun say who each process is; under python: a world
-    # of one, whose rank 0 listens on a port the OS picks (port 0)
+    # step 6: torchrun and srun say who each process is; python: a world of one
     env = os.environ
     if "RANK" not in env and "SLURM_STEP_ID" not in env:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
         return 0, 0, 1, 1
     needs = {"MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE"}
     if "RANK" not in env and not needs <= env.keys():
@@ -175,67 +166,33 @@ def save_checkpoint(state_dict: dict, path: str) -> None:  # FSDP2
 
 
 def sharded_state(model, optimizer, scheduler) -> dict:
-    # FSDP2: the model's and the optimizer's state as DTensors: this rank's
-    # shards, each tagged with where it sits in the whole tensor
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    state.update(scheduler=scheduler.state_dict(), rng=torch.get_rng_state())
-    return state
-
-
-def save_sharded(folder: str, model, optimizer, scheduler, epochs: int):
-    # FSDP2: every rank writes its own shards, all at once, nothing gathered;
-    # the .metadata file, written last, maps the pieces to whole tensors
-    path = os.path.join(folder, f"epoch_{epochs}")
-    dcp.save(sharded_state(model, optimizer, scheduler), checkpoint_id=path)
-    if dist.get_rank() == 0:
-        log(f"saved sharded checkpoint {path}")
+    # FSDP2: weights and momentum as DTensors, this rank's shards only; DCP
+    # calls the schedule's state_dict() and load_state_dict() itself
+    model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
+    rng = torch.get_rng_state()
+    return dict(model=model_state, optim=optim_state, sched=scheduler, rng=rng)
 
 
 def load_sharded(folder: str, model, optimizer, scheduler) -> int:
-    """Epochs done in the newest whole checkpoint in `folder`; 0: none."""
-    # FSDP2: a save cut short has no .metadata: it is skipped
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    done = [int(n[6:]) for n in names if n.startswith("epoch_")]
+    # FSDP2: epochs done by the newest whole save (with .metadata), else 0
+    done = [int(n[6:]) for n in os.listdir(folder) if n.startswith("epoch_")]
     done = [e for e in done if os.path.exists(f"{folder}/epoch_{e}/.metadata")]
     if not done:
         return 0
-    path = os.path.join(folder, f"epoch_{max(done)}")
+    path = f"{folder}/epoch_{max(done)}"
     state = sharded_state(model, optimizer, scheduler)
-    # FSDP2: each rank reads the pieces of its own shards, whatever the world
-    # size that wrote them: DCP reshards on load
+    # FSDP2: each rank reads its own shards' pieces: DCP reshards on load
     try:
         dcp.load(state, checkpoint_id=path)
     except dcp.api.CheckpointException as error:
-        # e.g. a checkpoint of another --model: the first rank's reason
         reason = next(iter(error.failures.values()))[0]
         sys.exit(f"error: cannot resume from {path}: {reason}")
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-    )
-    scheduler.load_state_dict(state["scheduler"])
+    dcp_state.set_model_state_dict(model, state["model"])
+    dcp_state.set_optimizer_state_dict(model, optimizer, state["optim"])
     torch.set_rng_state(state["rng"])
     if dist.get_rank() == 0:
         log(f"resumed from {path} on {dist.get_world_size()} rank(s)")
     return max(done)
-
-
-def memory_line(rank: int, model, optimizer) -> str:
-    # FSDP2: the bytes this rank holds between steps: its shards (to_local)
-    # of the weights, of their gradients and of SGD's momentum
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    momenta = [s["momentum_buffer"] for s in optimizer.state.values()]
-    whole = sum(p.numel() * p.element_size() for p in params)
-    held = [sum(t.to_local().nbytes for t in ts) for ts in (params, grads)]
-    held.append(sum(t.to_local().nbytes for t in momenta))
-    return (
-        f"memory rank={rank} params_bytes={held[0]} grads_bytes={held[1]}"
-        f" optimizer_bytes={held[2]} whole_params_bytes={whole}"
-    )
 
 
 def main(args: argparse.Namespace) -> None:  # step 6
@@ -275,12 +232,11 @@ def main(args: argparse.Namespace) -> None:  # step 6
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)
-    # FSDP2: every rank keeps 1/world_size of each weight (a DTensor). Each
-    # top-level block is gathered whole just before it runs, freed after.
+    # FSDP2: each rank keeps 1/world_size of each weight; each top-level block
+    # is gathered whole just before it runs, and freed after
     mesh = init_device_mesh(device.type, (world_size,))
-    for block in model.children():
-        if list(block.parameters()):
-            fully_shard(block, mesh=mesh)
+    for block in [b for b in model.children() if list(b.parameters())]:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
@@ -303,8 +259,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
         # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
-        # FSDP2: buffers are not sharded, and each rank updated its own
-        # BatchNorm statistics: take rank 0's, as DDP does at every forward
+        # FSDP2: BatchNorm's statistics, unsharded buffers: rank 0's, as in DDP
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         test_sums = evaluate(model, test_loader, device, args.max_steps)
@@ -313,15 +268,23 @@ def main(args: argparse.Namespace) -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-        if args.sharded:
-            save_sharded(args.sharded, model, optimizer, scheduler, epoch + 1)
+        if args.sharded:  # FSDP2: each rank writes its shards, none gathered
+            state = sharded_state(model, optimizer, scheduler)
+            dcp.save(state, checkpoint_id=f"{args.sharded}/epoch_{epoch + 1}")
 
-    log(memory_line(rank, model, optimizer))
+    # FSDP2: bytes this rank holds: its shards of weights, grads, momentum
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    bufs = [s["momentum_buffer"] for s in optimizer.state.values()]
+    held = [sum(t.to_local().nbytes for t in x) for x in (params, grads, bufs)]
+    kinds = "params_bytes={} grads_bytes={} optimizer_bytes={}"
+    log(f"memory rank={rank} " + kinds.format(*held))
     if args.checkpoint:
         # FSDP2: gathering whole weights is a collective: every rank joins,
         # and with cpu_offload rank 0 alone receives them, in CPU memory
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        whole = get_model_state_dict(model, options=options)
+        full = dict(full_state_dict=True, cpu_offload=True)
+        options = dcp_state.StateDictOptions(**full)
+        whole = dcp_state.get_model_state_dict(model, options=options)
     if args.checkpoint and rank == 0:  # step 1: one writer
         save_checkpoint(whole, args.checkpoint)  # FSDP2
         saved = torch.load(args.checkpoint, map_location="cpu")
@@ -331,9 +294,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
 
 
 if __name__ == "__main__":
-    args = parse_args()  # step 1
+    args = parse_args()
     main(args)  # step 6: torchrun, srun or python start it once per process
-    # FSDP2: DTensor's caches keep the mesh, and with it the gloo group and its
-    # threads, alive after destroy_process_group() (torch 2.15). Torn down as
-    # Python shuts down, they can abort the process: leave without that.
+    # FSDP2: skip Python's teardown of the gloo group, kept by DTensor (README)
     os._exit(0)
