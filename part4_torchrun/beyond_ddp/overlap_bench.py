@@ -4,7 +4,8 @@
         part4_torchrun/beyond_ddp/overlap_bench.py --sizes 1,8,16,64
 
 Each step is timed whole (forward, backward, all-reduces, Adam's step), the
-variants in turns so that a change in the machine's load hits them alike:
+variants in turns (in reverse order every other step) so that a change in the
+machine's load, or a cost one variant leaves to the next, hits them alike:
 - overlap: each bucket is sent as soon as its last gradient is in;
 - after: the same buckets, all sent once backward() has returned;
 - compute: no all-reduce at all (the ranks drift apart; only time counts).
@@ -55,9 +56,10 @@ def main(args: argparse.Namespace) -> None:
     variants = [(mb, overlap) for mb in args.sizes for overlap in (False, True)]
     seconds = {variant: [] for variant in [*variants, None]}
     counts = {}
-    # Step 0 warms up (memory, threads) and is not counted.
+    # Step 0 warms up (memory, threads) and is not counted. Every other step
+    # runs the variants in reverse: none always follows the same one.
     for step in range(args.steps + 1):
-        for variant in seconds:
+        for variant in list(seconds)[:: -1 if step % 2 else 1]:
             buckets = None
             if variant:
                 buckets = Buckets(model, variant[0], world_size, variant[1])
