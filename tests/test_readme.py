@@ -15,9 +15,9 @@ from course_steps import STEPS
 
 README_FILES = sorted(
     p.relative_to(REPO)
-    for p in [REPO / "README.md", *REPO.glob("*/README.md")]
-    if not p.relative_to(REPO).parts[0].startswith(".")
-)  # not .pytest_cache's or .venv's
+    for p in REPO.glob("**/README.md")
+    if not any(part.startswith(".") for part in p.relative_to(REPO).parts)
+)  # every course page, at any depth; not .pytest_cache's or .venv's
 SCRIPT = re.compile(r"[\w./-]+\.(?:py|sbatch|sh|ipynb)\b")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
@@ -94,6 +94,9 @@ def test_command_flags_exist(readme: Path) -> None:
         own_words = (
             own_words[: own_words.index("--")] if "--" in own_words else own_words
         )  # the rest is passed on
+        # A wrapper's own command (ddp_check.py torchrun ... script.py) starts at its launcher.
+        nested = [i for i, w in enumerate(own_words) if w in ("torchrun", "python", "srun")]
+        own_words = own_words[: nested[0]] if nested else own_words
         passed = {w.split("=")[0] for w in own_words if w.startswith("-")}
         unknown = passed - defined_flags(path)
         assert not unknown, (
