@@ -38,6 +38,9 @@ pytestmark = pytest.mark.slow
 
 CLUSTER_SCRIPT = REPO / "part4_torchrun" / "slurm" / "local" / "cluster.sh"
 JOB_TIMEOUT = 240  # seconds; a healthy 4-process job takes ~30 s here, more while other tests run
+# Every job's time limit: the part 4 job scripts requeue themselves 2 to 3 minutes before it
+# (--signal), which must come after JOB_TIMEOUT, so that only a test sends that signal.
+TIME_LIMIT = "--time=8"
 FAILURE_DEADLINE = 30  # seconds from a rank's failure to the end of the whole job
 FINISHED = {
     "COMPLETED",
@@ -199,7 +202,7 @@ def start_job(
     command = [
         "sbatch",
         "--parsable",
-        "--time=5",
+        TIME_LIMIT,
         f"--output={tmp_path}/job-%j.out",
         f"--error={tmp_path}/job-%j.err",
         *sbatch_options,
@@ -214,7 +217,7 @@ def sbatch_only(
     cluster: Cluster, args: list[str], probe_dir: Path, env: dict[str, str] | None = None
 ) -> str:
     """Submit without waiting; returns the job id."""
-    command = ["sbatch", "--parsable", "--time=5", *args]
+    command = ["sbatch", "--parsable", TIME_LIMIT, *args]
     submitted = launch(command, timeout=30, probe_dir=probe_dir, env={**cluster.env, **(env or {})})
     return submitted.stdout.strip().split(";")[0]
 
