@@ -334,48 +334,10 @@ def with_environment(
     return str(copy)
 
 
-def train_job(
-    cluster: Cluster,
-    script: str,
-    nodes: int,
-    tmp_path: Path,
-    probe_dir: Path,
-    variables: dict[str, str] | None = None,
-) -> Job:
-    """The job script under sbatch --export=NONE, its environment (and `variables`) loaded in
-    its marked place: srun must hand that environment on to the tasks (the probe's records
-    come only from processes that got it)."""
-    hooked = with_environment(script, tmp_path, probe_dir, variables or {})
-    job = submit(
-        cluster,
-        hooked,
-        job_args(tmp_path / "ckpt"),
-        tmp_path,
-        probe_dir=probe_dir,
-        sbatch_options=("--export=NONE",),
-    )
-    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
-    checkpoint = tmp_path / "ckpt" / "model.pt"
-    assert_trained(
-        job.run, Probe.read(probe_dir), nodes=nodes, per_node=PER_NODE, checkpoint=checkpoint
-    )
-    return job
-
-
 # --- one node ---
-
-
-def test_one_node_srun_job_script_trains_under_export_none(
-    slurm: Cluster, tmp_path: Path, probe_dir: Path
-) -> None:
-    """job_srun_1node.sbatch under sbatch --export=NONE, with an environment that sets
-    OMP_NUM_THREADS: the script keeps the user's value (its own rule would give 1 thread).
-    (job_torchrun_1node.sbatch: the test of two jobs from one directory below.)"""
-    job = train_job(
-        slurm.start(1), ONE_NODE_JOBS[0], 1, tmp_path, probe_dir, {"OMP_NUM_THREADS": "2"}
-    )
-    threads = re.findall(r"^rank \d+/2 device=cpu threads=(\d+)$", job.run.stdout, re.MULTILINE)
-    assert threads == ["2", "2"], f"the user's OMP_NUM_THREADS\n{job.describe()}"
+# job_torchrun_1node.sbatch trains in the test of two jobs from one directory below;
+# job_srun_1node.sbatch starts in the tests of a hang and of jobs that cannot work, and its
+# twin job_srun_2nodes.sbatch (the same lines, --nodes=2) trains in the two-node tests.
 
 
 @pytest.mark.parametrize("script", SOLUTION_JOBS, ids=lambda s: Path(s).stem)
@@ -597,10 +559,32 @@ def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
 
 
 @pytest.mark.parametrize("script", TWO_NODE_JOBS, ids=lambda s: Path(s).stem)
-def test_two_node_job_script_trains(
+def test_two_node_job_script_trains_under_export_none(
     slurm: Cluster, script: str, tmp_path: Path, probe_dir: Path
 ) -> None:
-    train_job(slurm.start(2), script, 2, tmp_path, probe_dir)
+    """The job script under sbatch --export=NONE, its environment loaded in its marked place:
+    srun must hand that environment on to the tasks (the probe's records come only from
+    processes that got it). The srun job with 2 cores per task, where its own rule gives each
+    process 2 threads, and an OMP_NUM_THREADS=1 in that environment: the user's value wins."""
+    srun = "srun" in script
+    variables = {"OMP_NUM_THREADS": "1"} if srun else {}
+    hooked = with_environment(script, tmp_path, probe_dir, variables)
+    options = ("--export=NONE", *(["--cpus-per-task=2"] if srun else []))
+    job = submit(
+        slurm.start(2),
+        hooked,
+        job_args(tmp_path / "ckpt"),
+        tmp_path,
+        probe_dir=probe_dir,
+        sbatch_options=options,
+    )
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+    checkpoint = tmp_path / "ckpt" / "model.pt"
+    assert_trained(
+        job.run, Probe.read(probe_dir), nodes=2, per_node=PER_NODE, checkpoint=checkpoint
+    )
+    threads = re.findall(r"^rank \d+/4 device=cpu threads=(\d+)$", job.run.stdout, re.MULTILINE)
+    assert threads == ["1"] * 4, f"threads per process\n{job.describe()}"
 
 
 # One process per node, set on the command line (srun) or with the documented variable (torchrun).
