@@ -251,6 +251,21 @@ def wait_for(
     )
 
 
+def wait_for_probe(cluster: Cluster, job_id: str, probe_dir: Path, *events: str) -> None:
+    """Wait until the job's processes have recorded each of `events` (a fault a test injected,
+    in place); cancel the job and fail if it ends first or JOB_TIMEOUT passes."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        recorded = "".join(path.read_text() for path in probe_dir.glob("*.jsonl"))
+        if all(f'"event": "{event}"' in recorded for event in events):
+            return
+        state = cluster.job(job_id).get("JobState")
+        if state in FINISHED or time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env={**os.environ, **cluster.env}, timeout=30)
+            pytest.fail(f"job {job_id} ({state}): its processes never recorded {events}")
+        time.sleep(0.2)
+
+
 def read_job(job_id: str, command: list[str], tmp_path: Path, info: dict[str, str]) -> Run:
     output = [(tmp_path / f"job-{job_id}.{kind}") for kind in ("out", "err")]
     return Run(
@@ -446,13 +461,7 @@ def test_two_jobs_from_one_directory_keep_their_files_and_a_requeued_one_resumes
     ]
     # Rank 0 of the first job stops at the pause (its first start only); then the signal, as
     # Slurm sends it: to the batch shell alone.
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while not any('"paused"' in f.read_text() for f in probes[0].glob("*.jsonl")):
-        state = cluster.job(ids[0]).get("JobState")
-        if state in FINISHED or time.monotonic() > deadline:
-            log = work / f"ddp-torchrun-1node-{ids[0]}.out"
-            pytest.fail(f"job {ids[0]} ({state}) never paused\n{log.read_text()}")
-        time.sleep(0.2)
+    wait_for_probe(cluster, ids[0], probes[0], "paused")
     signal = ["scancel", "--batch", "--signal=USR1", ids[0]]
     subprocess.run(signal, env={**os.environ, **cluster.env}, check=True, timeout=30)
     jobs = [wait_for(cluster, i, options, tmp_path) for i in ids]
@@ -519,10 +528,10 @@ def test_job_scripts_that_cannot_work_stop_at_once_in_one_line(
         assert "rank 0/" not in job.run.stdout, "nothing may start training"
 
 
-# Seconds from submission: far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by
-# default), so only the test's own timeout can end the job. Rank 0 was waiting 15 s after
-# submission, with the other pytest workers running tests beside it.
-HANG_TIMEOUT = 30
+# Seconds the test waits once both ranks stand in place (rank 1 hanging, rank 0 waiting for
+# it): far below the scripts' collective timeout (DDP_TIMEOUT_S, 300 by default), so only the
+# test's own timeout can end the job.
+HANG_TIMEOUT = 10
 
 
 def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
@@ -532,17 +541,19 @@ def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
     timeout the job is cancelled; Slurm must end every task within seconds, and the report must
     start with "timed out"."""
     cluster = slurm.start(1)
+    job_id, command = start_job(
+        cluster,
+        "part4_torchrun/slurm/job_srun_1node.sbatch",
+        job_args(tmp_path),
+        tmp_path,
+        probe_dir=probe_dir,
+        env={"DDP_PROBE_HANG_RANK": "1"},
+    )
+    # Starting Python and torch takes long on a loaded machine: the timeout counts from there.
+    wait_for_probe(cluster, job_id, probe_dir, "hang", "waiting")
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
-        submit(
-            cluster,
-            "part4_torchrun/slurm/job_srun_1node.sbatch",
-            job_args(tmp_path),
-            tmp_path,
-            probe_dir=probe_dir,
-            env={"DDP_PROBE_HANG_RANK": "1"},
-            timeout=HANG_TIMEOUT,
-        )
+        wait_for(cluster, job_id, command, tmp_path, timeout=HANG_TIMEOUT)
     seconds = time.monotonic() - start
     report = str(failure.value)
     assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), report[:500]
