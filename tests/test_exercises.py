@@ -912,6 +912,8 @@ def test_job_script_is_valid_bash_and_cluster_neutral(name: str) -> None:
         "GPUs, partition and account go on the sbatch command line, not in #SBATCH lines"
     )
     assert '"$@"' in text, "script arguments are passed through"
+    # The log where part 4's job scripts put theirs: <job name>-<job id>.out
+    assert "#SBATCH --output=%x-%j.out" in text
     assert "SLURM_CPUS_PER_TASK" in text and "OMP_NUM_THREADS" in text
     # In job_scaling.sbatch, scaling_sweep.py starts the srun steps.
     if name != "job_scaling.sbatch":

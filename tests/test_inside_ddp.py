@@ -266,6 +266,7 @@ def test_diagnose_under_srun_variables() -> None:
     env = {
         "SLURM_STEP_ID": "0",
         "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
         "SLURM_STEP_NUM_NODES": "1",
         "SLURM_JOB_ID": "4242",
         "MASTER_ADDR": "127.0.0.1",
@@ -284,6 +285,7 @@ def test_diagnose_in_a_batch_script_outside_a_step_is_a_world_of_one() -> None:
 
 
 def test_diagnose_in_an_srun_step_without_master_addr_says_what_to_export() -> None:
+    # An srun without --ntasks-per-node, as train.py refuses it: no SLURM_NTASKS_PER_NODE.
     env = {
         "SLURM_STEP_ID": "0",
         "SLURM_PROCID": "0",
@@ -298,6 +300,8 @@ def test_diagnose_in_an_srun_step_without_master_addr_says_what_to_export() -> N
     assert run.returncode == 1, run.describe()
     assert run.stderr.startswith("error: ") and "Traceback" not in run.stderr, run.describe()
     assert "export" in run.stderr and "MASTER_ADDR" in run.stderr and "MASTER_PORT" in run.stderr
+    assert "SLURM_NTASKS_PER_NODE" in run.stderr and "--ntasks-per-node" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.describe()
     assert "start " not in run.stdout, "stops before it waits for anyone"
 
 
@@ -316,6 +320,28 @@ def test_diagnose_names_the_failing_step_and_exits_nonzero() -> None:
     assert "FAILED step=init_process_group rank=0" in run.stdout
     assert "MASTER_PORT" in run.stdout and "NCCL_DEBUG=INFO" in run.stdout, "says what to check"
     assert "report " not in run.stdout
+
+
+def test_diagnose_with_a_bad_address_says_so_first_in_one_line() -> None:
+    """A MASTER_ADDR that does not resolve fails at once (not after --timeout), and the first
+    line after `start` says which check failed, on which rank and host, and why; what to check
+    follows. Nothing else comes before it, not even the libraries' warnings."""
+    env = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "no-such-node.invalid",
+        "MASTER_PORT": str(free_port()),
+    }
+    run = launch([PYTHON, DIAGNOSE, "--timeout", "600"], timeout=60, env=env, check=False)
+    assert run.returncode == 1 and not run.stderr.strip(), run.describe()
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("start ") and len(lines) > 2, run.describe()
+    summary = lines[1]
+    assert summary.startswith("FAILED step=master address rank=1 host="), run.describe()
+    assert "'no-such-node.invalid' does not resolve" in summary, run.describe()
+    assert lines[2].startswith("  check: ") and "scontrol show hostnames" in lines[2]
 
 
 # ---- notebooks ------------------------------------------------------------------------------

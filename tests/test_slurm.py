@@ -1,7 +1,8 @@
 """Part 4's job scripts on a real Slurm cluster (1 or 2 nodes on this machine, started by
 part4_torchrun/slurm/local/cluster.sh), the same multi-node run without Slurm (two torchruns),
 and a failing rank ending the whole job. The tests submit the very files learners submit, with
-sbatch."""
+sbatch: under sbatch --export=NONE with the environment loaded in the scripts' marked place, and
+under the default --export=ALL; a job requeued near its time limit resumes from its snapshot."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
+    PROBE_PATH,
     PYTHON,
     REPO,
     TEST_SAMPLES,
@@ -35,6 +38,9 @@ pytestmark = pytest.mark.slow
 
 CLUSTER_SCRIPT = REPO / "part4_torchrun" / "slurm" / "local" / "cluster.sh"
 JOB_TIMEOUT = 240  # seconds; a healthy 4-process job takes ~30 s here, more while other tests run
+# Every job's time limit: the part 4 job scripts requeue themselves 2 to 3 minutes before it
+# (--signal), which must come after JOB_TIMEOUT, so that only a test sends that signal.
+TIME_LIMIT = "--time=8"
 FAILURE_DEADLINE = 30  # seconds from a rank's failure to the end of the whole job
 FINISHED = {
     "COMPLETED",
@@ -59,6 +65,7 @@ TWO_NODE_JOBS = [
     "part4_torchrun/slurm/job_srun_2nodes.sbatch",
     "part4_torchrun/slurm/job_torchrun_2nodes.sbatch",
 ]
+TORCHRUN_JOBS = [ONE_NODE_JOBS[1], TWO_NODE_JOBS[1], "solutions/job_ddp_torchrun.sbatch"]
 # The exercises' job scripts (solutions/) on real digits, with their processes on one node;
 # job_scaling.sbatch has a 2-node test of its own.
 SOLUTION_JOBS = {
@@ -175,10 +182,27 @@ def submit(
 ) -> Job:
     """sbatch a job script (or --wrap=COMMAND) as a learner would, from the repository root;
     wait for its end, with a time limit on the job and a timeout on the wait."""
+    job_id, command = start_job(
+        cluster, script, args, tmp_path, probe_dir=probe_dir, env=env, sbatch_options=sbatch_options
+    )
+    return wait_for(cluster, job_id, command, tmp_path, timeout)
+
+
+def start_job(
+    cluster: Cluster,
+    script: str,
+    args: list[str],
+    tmp_path: Path,
+    *,
+    probe_dir: Path,
+    env: dict[str, str] | None = None,
+    sbatch_options: tuple[str, ...] = (),
+) -> tuple[str, list[str]]:
+    """submit() without the wait: (the job id, the sbatch command)."""
     command = [
         "sbatch",
         "--parsable",
-        "--time=5",
+        TIME_LIMIT,
         f"--output={tmp_path}/job-%j.out",
         f"--error={tmp_path}/job-%j.err",
         *sbatch_options,
@@ -186,13 +210,15 @@ def submit(
         *args,
     ]
     submitted = launch(command, timeout=30, probe_dir=probe_dir, env={**cluster.env, **(env or {})})
-    return wait_for(cluster, submitted.stdout.strip().split(";")[0], command, tmp_path, timeout)
+    return submitted.stdout.strip().split(";")[0], command
 
 
-def sbatch_only(cluster: Cluster, args: list[str], probe_dir: Path) -> str:
+def sbatch_only(
+    cluster: Cluster, args: list[str], probe_dir: Path, env: dict[str, str] | None = None
+) -> str:
     """Submit without waiting; returns the job id."""
-    command = ["sbatch", "--parsable", "--time=5", *args]
-    submitted = launch(command, timeout=30, probe_dir=probe_dir, env=cluster.env)
+    command = ["sbatch", "--parsable", TIME_LIMIT, *args]
+    submitted = launch(command, timeout=30, probe_dir=probe_dir, env={**cluster.env, **(env or {})})
     return submitted.stdout.strip().split(";")[0]
 
 
@@ -223,6 +249,21 @@ def wait_for(
     return Job(
         job_id, info["JobState"], info["ExitCode"], ended, read_job(job_id, command, tmp_path, info)
     )
+
+
+def wait_for_probe(cluster: Cluster, job_id: str, probe_dir: Path, *events: str) -> None:
+    """Wait until the job's processes have recorded each of `events` (a fault a test injected,
+    in place); cancel the job and fail if it ends first or JOB_TIMEOUT passes."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        recorded = "".join(path.read_text() for path in probe_dir.glob("*.jsonl"))
+        if all(f'"event": "{event}"' in recorded for event in events):
+            return
+        state = cluster.job(job_id).get("JobState")
+        if state in FINISHED or time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env={**os.environ, **cluster.env}, timeout=30)
+            pytest.fail(f"job {job_id} ({state}): its processes never recorded {events}")
+        time.sleep(0.2)
 
 
 def read_job(job_id: str, command: list[str], tmp_path: Path, info: dict[str, str]) -> Run:
@@ -269,10 +310,11 @@ def assert_trained(run: Run, probe: Probe, *, nodes: int, per_node: int, checkpo
         f"training must finish its epoch, reported once by rank 0\n{run.describe()}"
     )
     assert (epochs[0]["train_samples"], epochs[0]["test_samples"]) == (TRAIN_SAMPLES, TEST_SAMPLES)
+    # Every file (train_snapshot.py's snapshots too) is written by global rank 0, not one per
+    # node; the checkpoint once.
     saves = [(e["rank"], e["path"]) for e in probe.events("save")]
-    assert saves == [(0, str(checkpoint.resolve()))], (
-        f"one checkpoint, by global rank 0 (not one per node): {saves}"
-    )
+    assert {rank for rank, _ in saves} == {0}, f"writers: {saves}"
+    assert [path for _, path in saves].count(str(checkpoint.resolve())) == 1, saves
     assert checkpoint.exists() and run.stdout.count("saved checkpoint") == 1
 
 
@@ -280,21 +322,37 @@ def tiny_run(checkpoint: Path, epochs: int = 1) -> list[str]:
     return [*TINY_RUN, "--epochs", str(epochs), "--checkpoint", str(checkpoint)]
 
 
-def train_job(cluster: Cluster, script: str, nodes: int, tmp_path: Path, probe_dir: Path) -> None:
-    checkpoint = tmp_path / "ckpt" / "model.pt"
-    job = submit(cluster, script, tiny_run(checkpoint), tmp_path, probe_dir=probe_dir)
-    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
-    assert_trained(
-        job.run, Probe.read(probe_dir), nodes=nodes, per_node=PER_NODE, checkpoint=checkpoint
-    )
+def job_args(folder: Path, epochs: int = 1) -> list[str]:
+    """The tiny run for train_snapshot.py, which part 4's job scripts run: its checkpoint and
+    snapshot in `folder`, not in the repository's runs/."""
+    return [*tiny_run(folder / "model.pt", epochs), "--snapshot", str(folder / "snapshot.pt")]
+
+
+def with_environment(
+    script: str, tmp_path: Path, probe_dir: Path, variables: dict[str, str]
+) -> str:
+    """A copy of a job script with an environment loaded in its marked place, as a user at a
+    site with sbatch --export=NONE writes it: the venv's PATH, the test probe, `variables`.
+    Like many module and conda scripts it reads a variable that is unset there (PYTHONPATH),
+    which `set -u` would turn into an error."""
+    lines = [
+        f'export PATH="{Path(PYTHON).parent}:$PATH"',
+        f'export PYTHONPATH="{PROBE_PATH}:$PYTHONPATH"',
+        f'export DDP_PROBE_DIR="{probe_dir}"',
+        *(f'export {name}="{value}"' for name, value in variables.items()),
+    ]
+    text = (REPO / script).read_text()
+    marked = "\n\nset -euo pipefail\n"  # the place the comment above it names
+    assert text.count(marked) == 1, f"{script}: no place for the environment before set -u"
+    copy = tmp_path / f"hooked-{Path(script).name}"
+    copy.write_text(text.replace(marked, "\n" + "\n".join(lines) + marked))
+    return str(copy)
 
 
 # --- one node ---
-
-
-def test_one_node_srun_job_script_trains(slurm: Cluster, tmp_path: Path, probe_dir: Path) -> None:
-    # job_torchrun_1node.sbatch: the test of two jobs from one directory below
-    train_job(slurm.start(1), ONE_NODE_JOBS[0], 1, tmp_path, probe_dir)
+# job_torchrun_1node.sbatch trains in the test of two jobs from one directory below;
+# job_srun_1node.sbatch starts in the tests of a hang and of jobs that cannot work, and its
+# twin job_srun_2nodes.sbatch (the same lines, --nodes=2) trains in the two-node tests.
 
 
 @pytest.mark.parametrize("script", SOLUTION_JOBS, ids=lambda s: Path(s).stem)
@@ -307,15 +365,12 @@ def test_solution_job_script_trains_on_mnist(
 ) -> None:
     cluster = slurm.start(1)
     checkpoint = tmp_path / "ckpt" / "mnist.pt"
-    # The default loader settings: worker processes feed each rank's batches.
+    # The default loader settings: worker processes feed each rank's batches. Under
+    # --export=NONE, DATA_DIR too comes from the environment loaded in the job script.
     args = ["--epochs", "1", "--checkpoint", str(checkpoint)]
+    hooked = with_environment(script, tmp_path, probe_dir, {"DATA_DIR": str(mnist_root)})
     job = submit(
-        cluster,
-        script,
-        args,
-        tmp_path,
-        probe_dir=probe_dir,
-        env={"DATA_DIR": str(mnist_root)},
+        cluster, hooked, args, tmp_path, probe_dir=probe_dir, sbatch_options=("--export=NONE",)
     )
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
     processes = SOLUTION_JOBS[script]
@@ -367,66 +422,116 @@ def test_train_py_tells_the_batch_step_from_an_srun_step(
     assert len(job.run.epochs()) == 1, job.describe()
     assert "srun exit 1" in job.run.stdout, f"the srun step must fail\n{job.describe()}"
     # The variables it lacks, by name, in one line ("[...]" also names SLURM_NTASKS_PER_NODE
-    # where srun was given no --ntasks-per-node)
+    # where srun was given no --ntasks-per-node). At least one task says so: the first to
+    # exit makes srun (--kill-on-bad-exit=1) kill the other, maybe before it prints.
     error = "error: under srun, set ['MASTER_ADDR', 'MASTER_PORT'"
-    assert job.run.stderr.count(error) == 2, job.describe()
+    assert 1 <= job.run.stderr.count(error) <= 2, job.describe()
     assert "Traceback" not in job.run.stderr, job.describe()
 
 
-def test_two_jobs_from_one_directory_train_and_keep_their_own_files(
+# Where a job is stopped before its signal: rank 0, first epoch (pass 0), third batch. With
+# --snapshot-every 1 its snapshot then holds 2 of the epoch's 4 steps (128 images, 2 ranks, 16
+# per batch).
+PAUSE_AT = (0, 0, 2)
+STEPS_PER_EPOCH = TRAIN_SAMPLES // (2 * 16)
+
+
+def test_two_jobs_from_one_directory_keep_their_files_and_a_requeued_one_resumes(
     slurm: Cluster, tmp_path: Path
 ) -> None:
     """job_torchrun_1node.sbatch submitted twice at once from one directory, with all its
-    defaults (both fit on the node at once, each on ports of its own): each trains, and writes
-    its checkpoint into runs/<job id>/ and its log into <job name>-<job id>.out."""
+    defaults (both fit on the node at once, each on ports of its own): each writes its snapshot
+    and checkpoint into runs/<job id>/ and its log into <job name>-<job id>.out. The first gets,
+    mid-epoch, the signal that --signal=B:USR1@120 sends 2 minutes before the time limit: it
+    requeues itself, starts again from the top with the same job id, adds to its log, resumes
+    from its snapshot and ends with the weights of the second, which nothing interrupted."""
     cluster = slurm.start(1)
     work = tmp_path / "work"
     work.mkdir()
     (work / "part4_torchrun").symlink_to(REPO / "part4_torchrun")
     script = str(REPO / ONE_NODE_JOBS[1])
-    options = [f"--chdir={work}", script, *TINY_RUN, "--epochs", "1"]
+    options = [f"--chdir={work}", script, *TINY_RUN, "--epochs", "1", "--snapshot-every", "1"]
     probes = [tmp_path / f"probe{n}" for n in range(2)]
-    ids = []
     for probe_dir in probes:
         probe_dir.mkdir()
-        ids.append(sbatch_only(cluster, options, probe_dir))
+    pause = {"DDP_PROBE_PAUSE_AT": ":".join(map(str, PAUSE_AT))}
+    ids = [
+        sbatch_only(cluster, options, probes[0], pause),
+        sbatch_only(cluster, options, probes[1]),
+    ]
+    # Rank 0 of the first job stops at the pause (its first start only); then the signal, as
+    # Slurm sends it: to the batch shell alone.
+    wait_for_probe(cluster, ids[0], probes[0], "paused")
+    signal = ["scancel", "--batch", "--signal=USR1", ids[0]]
+    subprocess.run(signal, env={**os.environ, **cluster.env}, check=True, timeout=30)
     jobs = [wait_for(cluster, i, options, tmp_path) for i in ids]
-    for job, probe_dir in zip(jobs, probes, strict=True):
-        log = (work / f"ddp-torchrun-1node-{job.id}.out").read_text()
+
+    logs = [(work / f"ddp-torchrun-1node-{job.id}.out").read_text() for job in jobs]
+    for job, log in zip(jobs, logs, strict=True):
         assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), log
-        checkpoint = work / "runs" / job.id / "checkpoint.pt"
         assert f"saved checkpoint runs/{job.id}/checkpoint.pt" in log, log
-        run = Run(options, 0, log, "")
-        probe = Probe.read(probe_dir)
-        assert_trained(run, probe, nodes=1, per_node=PER_NODE, checkpoint=checkpoint)
+        assert (work / "runs" / job.id / "snapshot.pt").exists(), "the snapshot in runs/<job id>/"
+    plain = jobs[1]
+    checkpoint = work / "runs" / plain.id / "checkpoint.pt"
+    assert_trained(
+        Run(options, 0, logs[1], ""),
+        Probe.read(probes[1]),
+        nodes=1,
+        per_node=PER_NODE,
+        checkpoint=checkpoint,
+    )
+    # The requeued job: one log with both starts, in order; the second resumed at the step
+    # its snapshot holds, and trained only the steps left of the epoch.
+    requeued, log = jobs[0], logs[0]
+    said = [
+        f"job {requeued.id}: start 1 on",
+        f"job {requeued.id}: time limit near: requeued, to resume from runs/{requeued.id}/",
+        f"job {requeued.id}: start 2 on",
+        f"resumed from runs/{requeued.id}/snapshot.pt: epoch 1, {PAUSE_AT[2]} steps done",
+    ]
+    assert all(line in log for line in said), log
+    assert [log.index(line) for line in said] == sorted(log.index(line) for line in said), log
+    assert cluster.job(requeued.id)["Restarts"] == "1", "requeued once"
+    epochs = Run(options, 0, log, "").epochs()
+    left = (STEPS_PER_EPOCH - PAUSE_AT[2]) * TRAIN_SAMPLES // STEPS_PER_EPOCH
+    assert [e["train_samples"] for e in epochs] == [left], log
+    final = [torch.load(work / "runs" / job.id / "checkpoint.pt") for job in jobs]
+    differ = [name for name in final[1] if not torch.equal(final[0][name], final[1][name])]
+    assert not differ, f"the requeued job's weights differ from the other's: {differ}"
     assert not (work / "checkpoint.pt").exists(), "no job may write the shared default"
 
 
-def test_a_job_without_its_environment_says_so(
+def test_job_scripts_that_cannot_work_stop_at_once_in_one_line(
     slurm: Cluster, tmp_path: Path, probe_dir: Path
 ) -> None:
-    """--export=NONE: the job starts without the submitting shell's PATH (no venv): the job
-    script ends at once with one error line that names what to do."""
+    """Submitted together: a job under --export=NONE whose script loads no environment (no
+    venv on PATH) and every torchrun job script with an --ntasks-per-node=2 copied from an srun
+    job. Each ends at once, before any training, with one error line that names the fix."""
     cluster = slurm.start(1)
-    job = submit(
-        cluster,
-        ONE_NODE_JOBS[0],
-        TINY_RUN,
-        tmp_path,
-        probe_dir=probe_dir,
-        sbatch_options=("--export=NONE",),
-    )
-    assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
-    lines = job.run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: no python with torch here"), lines
-    assert "load your environment in the job script" in lines[0], lines
-    assert "rank 0/" not in job.run.stdout, "nothing may start training"
+    no_environment = "error: no python with torch here"
+    two_per_node = "error: torchrun runs as one task per node, but this job has 2 tasks on 1 node"
+    cases = [(ONE_NODE_JOBS[0], ("--export=NONE",), no_environment)]
+    # --nodes=1: the 2-node script too, on this cluster's one node.
+    layout = ("--ntasks-per-node=2", "--cpus-per-task=1", "--nodes=1")
+    cases += [(script, layout, two_per_node) for script in TORCHRUN_JOBS]
+    started = [
+        start_job(cluster, script, TINY_RUN, tmp_path, probe_dir=probe_dir, sbatch_options=options)
+        for script, options, _ in cases
+    ]
+    for (job_id, command), (script, _, expected) in zip(started, cases, strict=True):
+        job = wait_for(cluster, job_id, command, tmp_path)
+        assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
+        lines = job.run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(expected), f"{script}: {lines}"
+        fix = "load your environment" if expected == no_environment else "--ntasks-per-node=1"
+        assert fix in lines[0], lines
+        assert "rank 0/" not in job.run.stdout, "nothing may start training"
 
 
-# Seconds from submission: far below the collective timeout (PyTorch's default, 30 minutes), so
-# only the test's own timeout can end the job. Rank 0 was waiting 15 s after
-# submission, with the other pytest workers running tests beside it.
-HANG_TIMEOUT = 30
+# Seconds the test waits once both ranks stand in place (rank 1 hanging, rank 0 waiting for
+# it): far below the collective timeout (PyTorch's default, 30 minutes), so only the
+# test's own timeout can end the job.
+HANG_TIMEOUT = 10
 
 
 def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
@@ -436,17 +541,19 @@ def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
     timeout the job is cancelled; Slurm must end every task within seconds, and the report must
     start with "timed out"."""
     cluster = slurm.start(1)
+    job_id, command = start_job(
+        cluster,
+        "part4_torchrun/slurm/job_srun_1node.sbatch",
+        job_args(tmp_path),
+        tmp_path,
+        probe_dir=probe_dir,
+        env={"DDP_PROBE_HANG_RANK": "1"},
+    )
+    # Starting Python and torch takes long on a loaded machine: the timeout counts from there.
+    wait_for_probe(cluster, job_id, probe_dir, "hang", "waiting")
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
-        submit(
-            cluster,
-            "part4_torchrun/slurm/job_srun_1node.sbatch",
-            tiny_run(tmp_path / "model.pt"),
-            tmp_path,
-            probe_dir=probe_dir,
-            env={"DDP_PROBE_HANG_RANK": "1"},
-            timeout=HANG_TIMEOUT,
-        )
+        wait_for(cluster, job_id, command, tmp_path, timeout=HANG_TIMEOUT)
     seconds = time.monotonic() - start
     report = str(failure.value)
     assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), report[:500]
@@ -463,10 +570,32 @@ def test_a_hang_in_a_job_ends_at_the_timeout_with_no_process_left(
 
 
 @pytest.mark.parametrize("script", TWO_NODE_JOBS, ids=lambda s: Path(s).stem)
-def test_two_node_job_script_trains(
+def test_two_node_job_script_trains_under_export_none(
     slurm: Cluster, script: str, tmp_path: Path, probe_dir: Path
 ) -> None:
-    train_job(slurm.start(2), script, 2, tmp_path, probe_dir)
+    """The job script under sbatch --export=NONE, its environment loaded in its marked place:
+    srun must hand that environment on to the tasks (the probe's records come only from
+    processes that got it). The srun job with 2 cores per task, where its own rule gives each
+    process 2 threads, and an OMP_NUM_THREADS=1 in that environment: the user's value wins."""
+    srun = "srun" in script
+    variables = {"OMP_NUM_THREADS": "1"} if srun else {}
+    hooked = with_environment(script, tmp_path, probe_dir, variables)
+    options = ("--export=NONE", *(["--cpus-per-task=2"] if srun else []))
+    job = submit(
+        slurm.start(2),
+        hooked,
+        job_args(tmp_path / "ckpt"),
+        tmp_path,
+        probe_dir=probe_dir,
+        sbatch_options=options,
+    )
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+    checkpoint = tmp_path / "ckpt" / "model.pt"
+    assert_trained(
+        job.run, Probe.read(probe_dir), nodes=2, per_node=PER_NODE, checkpoint=checkpoint
+    )
+    threads = re.findall(r"^rank \d+/4 device=cpu threads=(\d+)$", job.run.stdout, re.MULTILINE)
+    assert threads == ["1"] * 4, f"threads per process\n{job.describe()}"
 
 
 # One process per node, set on the command line (srun) or with the documented variable (torchrun).
@@ -541,7 +670,7 @@ def test_a_failing_rank_ends_the_whole_two_node_job(
     job = submit(
         cluster,
         script,
-        tiny_run(tmp_path / "model.pt", epochs=50),
+        job_args(tmp_path, epochs=50),
         tmp_path,
         probe_dir=probe_dir,
         env={**env, "DDP_PROBE_FAIL_RANK": str(world - 1)},
@@ -598,3 +727,50 @@ def test_two_torchruns_train_as_two_nodes_without_slurm(tmp_path: Path, probe_di
         "".join(r.stderr for r in runs),
     )
     assert_trained(both, Probe.read(probe_dir), nodes=2, per_node=1, checkpoint=checkpoint)
+
+
+# Linux's default ephemeral ports (net.ipv4.ip_local_port_range), where outgoing connections
+# take their local port: a rendezvous port there may already be taken.
+EPHEMERAL = range(32768, 61000)
+# The job scripts' rule: $((... SLURM_JOB_ID ...)), the job's first port.
+PORT_RULE = re.compile(r"\$\(\([^()]*SLURM_JOB_ID[^()]*\)\)")
+# "ids differ by less than N", also across comment lines
+STATED_SPACING = re.compile(r"differ[\s#]+by[\s#]+less[\s#]+than[\s#]+(\d+)")
+
+
+def test_the_job_port_rule_without_slurm() -> None:
+    """One rule, in every job script, README and tool, derives the port from the job id; each
+    job owns ten ports from there (job_scaling.sbatch gives each srun step the next one). All of
+    them stay below Linux's ephemeral ports, and the smallest difference of job ids that shares
+    a port is the one the files state. The rule is run by bash, as the job scripts run it."""
+    texts = {
+        path.relative_to(REPO): path.read_text()
+        for path in REPO.rglob("*")
+        if path.suffix in {".sbatch", ".md", ".py", ".sh"}
+        and not {".venv", ".git", "tests"} & set(path.relative_to(REPO).parts)
+    }
+    found = {(str(path), rule) for path, text in texts.items() for rule in PORT_RULE.findall(text)}
+    rules = {rule for _, rule in found}
+    assert len(rules) == 1, f"more than one rule: {sorted(found)}"
+    rule = rules.pop()
+    # Every job script that names a first node (all but the serial one) uses the rule.
+    with_ports = [p for p, text in texts.items() if p.suffix == ".sbatch" and "hostnames" in text]
+    assert with_ports and all(rule in texts[p] for p in with_ports), with_ports
+    stated = {int(n) for text in texts.values() for n in STATED_SPACING.findall(text)}
+
+    last = 20_000
+    loop = f"for SLURM_JOB_ID in $(seq 1 {last}); do echo {rule}; done"
+    ports = [int(p) for p in launch(["bash", "-c", loop], timeout=60).stdout.split()]
+    assert len(ports) == last
+    # Above the local clusters' daemons (ports 12000-12819: cluster.sh, private_cluster()),
+    # below the ephemeral ports.
+    assert min(ports) > 12_819 and max(ports) + 9 < EPHEMERAL.start, (min(ports), max(ports))
+    # The smallest id difference between two jobs that share one of their ten ports.
+    holder: dict[int, int] = {}
+    closest = last
+    for job_id, first in enumerate(ports, start=1):
+        for port in range(first, first + 10):
+            if port in holder:
+                closest = min(closest, job_id - holder[port])
+            holder[port] = job_id
+    assert stated == {closest}, f"the files state {stated}; ids {closest} apart share a port"

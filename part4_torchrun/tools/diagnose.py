@@ -1,14 +1,17 @@
 """Part 4: a first-run sanity check for a new machine or cluster, before any training.
 
 Run it the way you will run training. Every rank prints a `start` line as soon as it knows who
-it is (so a hang shows who never arrived), then the ranks meet, check an all_reduce and a
-barrier, and rank 0 prints one `report` line per rank: host, rank, local rank, device, backend
-and versions. If a step fails, the rank says which step and what to check, and exits with
+it is (so a hang shows who never arrived), then the ranks look up the meeting point
+(MASTER_ADDR), meet, check an all_reduce and a barrier, and rank 0 prints one `report` line per
+rank: host, rank, local rank, device, backend and versions. If a step fails, the rank prints one
+`FAILED` line first (the step, its rank and host, the error's first line), then what to check,
+then the detail (the error in full and what the libraries wrote meanwhile), and exits with
 status 1 so that the launcher ends the whole job.
 
 The launcher is found as in part4_torchrun/train.py: torchrun if RANK is set; an srun step if
 SLURM_STEP_ID is set (then the job script must export MASTER_ADDR and MASTER_PORT, as the
-job_srun_*.sbatch scripts do); otherwise a world of one process, also inside a batch script.
+job_srun_*.sbatch scripts do, and srun needs --ntasks-per-node); otherwise a world of one
+process, also inside a batch script.
 
     python part4_torchrun/tools/diagnose.py
     torchrun --standalone --nproc_per_node=2 part4_torchrun/tools/diagnose.py
@@ -16,8 +19,8 @@ job_srun_*.sbatch scripts do); otherwise a world of one process, also inside a b
         part4_torchrun/tools/diagnose.py --timeout 30
     # in a job script:
     export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
-    export MASTER_PORT=$((15000 + SLURM_JOB_ID % 2000 * 10))
-    srun --ntasks=2 python part4_torchrun/tools/diagnose.py
+    export MASTER_PORT=$((15000 + SLURM_JOB_ID % 1700 * 10))
+    srun --ntasks-per-node=2 --kill-on-bad-exit=1 python part4_torchrun/tools/diagnose.py
 """
 
 import argparse
@@ -28,16 +31,19 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# What to check when a step fails, the likeliest first.
 HINTS = {
     "launcher environment": [
         "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT",
-        "srun sets SLURM_STEP_ID, SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and"
-        " SLURM_STEP_NUM_NODES; the job script exports MASTER_ADDR and MASTER_PORT",
+        "srun sets SLURM_STEP_ID, SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and, with"
+        " --ntasks-per-node, SLURM_NTASKS_PER_NODE; the job script exports MASTER_ADDR and"
+        " MASTER_PORT",
         "inside srun, use one launcher: `srun python ...`, or `srun torchrun ...` with"
         " --ntasks-per-node=1",
     ],
@@ -45,6 +51,11 @@ HINTS = {
         "CUDA_VISIBLE_DEVICES and `nvidia-smi`: does this node have a GPU for every local rank?",
         "Slurm: --gpus-per-node must be >= --ntasks-per-node (one GPU per process)",
         "use --device cpu to test the network with gloo, without GPUs",
+    ],
+    "master address": [
+        "MASTER_ADDR must name the first node so that every node can look it up: the job"
+        ' scripts take it from `scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p`',
+        "try `getent hosts $MASTER_ADDR` on each node; a typo or a login-node-only name fails",
     ],
     "init_process_group": [
         "did every rank start? count the `start` lines: WORLD_SIZE must equal the processes",
@@ -116,16 +127,18 @@ def read_launcher_env() -> tuple[str, int, int, int, int]:
         return "torchrun", rank, local_rank, int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
     # An srun step, one task per process. The batch script itself has SLURM_PROCID but no
     # step: a plain python there is a world of one.
+    # The same needs as train.py's, so that a layout it refuses fails here too.
     if "SLURM_STEP_ID" in env:
-        if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+        needs = ["MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE"]
+        lacking = [name for name in needs if not env.get(name)]
+        if lacking:
             sys.exit(
-                "error: srun step without MASTER_ADDR or MASTER_PORT: export both in the job"
-                ' script, e.g. MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST"'
-                ' | sed -n 1p)" and MASTER_PORT=$((15000 + SLURM_JOB_ID % 2000 * 10))'
+                f"error: under srun, set {lacking}: export MASTER_ADDR and MASTER_PORT in the"
+                ' job script, e.g. MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST"'
+                ' | sed -n 1p)" and MASTER_PORT=$((15000 + SLURM_JOB_ID % 1700 * 10)), and give'
+                " srun --ntasks-per-node"
             )
-        world_size, nodes = int(env["SLURM_NTASKS"]), int(env["SLURM_STEP_NUM_NODES"])
-        # Tasks per node, rounded up.
-        local_world_size = -(-world_size // nodes)
+        world_size, local_world_size = int(env["SLURM_NTASKS"]), int(env["SLURM_NTASKS_PER_NODE"])
         rank, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"])
         return "srun", rank, local_rank, world_size, local_world_size
     env.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -172,58 +185,76 @@ def describe(info: dict) -> str:
     )
 
 
-def explain(failure: StepFailed, rank: int | None) -> None:
-    log(f"FAILED step={failure.step} rank={rank if rank is not None else '?'} error={failure}")
+def look_up(address: str, port: str) -> None:
+    # Fails at once for a name that does not resolve, which init_process_group would try
+    # again and again until --timeout runs out.
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        why = getattr(error, "strerror", None) or error
+        raise RuntimeError(f"MASTER_ADDR {address!r} does not resolve here ({why})") from None
+
+
+@contextlib.contextmanager
+def stderr_held(held):
+    """Whatever is written to file descriptor 2 meanwhile (c10d's C++ warnings at each retry,
+    Python's too) goes to the file `held`, so that a failure's summary can come before it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(held.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def explain(failure: StepFailed, rank: int | None, held) -> None:
+    # Summary first, one line: the step, who failed where, the error's first line; then what
+    # to check; then the detail: the error in full and the libraries' messages of the step.
+    who = f"rank={rank if rank is not None else '?'} host={socket.gethostname()}"
+    first, _, rest = str(failure).partition("\n")
+    log(f"FAILED step={failure.step} {who}: {first}")
     for hint in HINTS[failure.step]:
         log(f"  check: {hint}")
     topology = shutil.which("nvidia-smi")
     if topology and failure.step in ("device", "all_reduce"):
         result = subprocess.run([topology, "topo", "-m"], capture_output=True, text=True)
         log("  nvidia-smi topo -m:\n" + result.stdout.rstrip())
+    held.seek(0)
+    detail = (rest.strip() + "\n" + held.read().decode(errors="replace")).strip()
+    if detail:
+        log("detail (the full error, then what the libraries wrote during the checks):")
+        log("\n".join(f"  {line}" for line in detail.splitlines()))
 
 
 def run_checks(args: argparse.Namespace) -> int:
     rank = None
-    try:
-        with step("launcher environment"):
-            launcher, rank, local_rank, world_size, local_world_size = read_launcher_env()
-        with step("device"):
-            device = pick_device(args.device, local_rank)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        me = identity(rank, world_size, local_rank, device, backend)
-        master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        log(f"start launcher={launcher} {describe(me)} master={master}")
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # The processes on this machine share its cores.
-            torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
-        with step("init_process_group"):
-            # device_id binds the group to this GPU, and NCCL then creates its communicator
-            # here (without it: at the first collective), so that an NCCL failure is reported
-            # at this step. On CPUs it is left out. (init_process_group's documentation:
-            # https://pytorch.org/docs/stable/distributed.html#torch.distributed.init_process_group)
-            dist.init_process_group(
-                backend,
-                init_method="env://",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=args.timeout),
-                device_id=device if device.type == "cuda" else None,
-            )
-        with step("all_reduce"):
-            value = torch.tensor([rank + 1.0], device=device)
-            # 1 + 2 + ... + world_size
-            dist.all_reduce(value)
-            expected = world_size * (world_size + 1) / 2
-            if value.item() != expected:
-                raise RuntimeError(f"sum is {value.item()}, expected {expected}")
-        with step("gather reports"):
-            reports = [None] * world_size
-            dist.all_gather_object(reports, me)
-        with step("barrier"):
-            dist.barrier(device_ids=[local_rank] if backend == "nccl" else None)
-    except StepFailed as failure:
-        explain(failure, rank)
-        return 1
+    with tempfile.TemporaryFile() as held:
+        try:
+            with step("launcher environment"):
+                launcher, rank, local_rank, world_size, local_world_size = read_launcher_env()
+            with step("device"):
+                device = pick_device(args.device, local_rank)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            me = identity(rank, world_size, local_rank, device, backend)
+            master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            log(f"start launcher={launcher} {describe(me)} master={master}")
+            if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                # The processes on this machine share its cores.
+                torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
+            with step("master address"):
+                look_up(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+            with stderr_held(held):
+                reports, value, expected = meet(args, rank, local_rank, world_size, device, me)
+        except StepFailed as failure:
+            explain(failure, rank, held)
+            return 1
+        # All went well: what the libraries wrote meanwhile (warnings), where it was going.
+        held.seek(0)
+        sys.stderr.buffer.write(held.read())
+        sys.stderr.flush()
     if rank == 0:
         log(f"all_reduce ok: sum={value.item():g} expected={expected:g}")
         log("barrier ok")
@@ -237,6 +268,37 @@ def run_checks(args: argparse.Namespace) -> int:
         )
     dist.destroy_process_group()
     return 0
+
+
+def meet(args, rank: int, local_rank: int, world_size: int, device, me: dict) -> tuple:
+    """The collective steps: (every rank's identity, the all_reduce's sum, the expected sum)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with step("init_process_group"):
+        # device_id binds the group to this GPU, and NCCL then creates its communicator
+        # here (without it: at the first collective), so that an NCCL failure is reported
+        # at this step. On CPUs it is left out. (init_process_group's documentation:
+        # https://pytorch.org/docs/stable/distributed.html#torch.distributed.init_process_group)
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=args.timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
+    with step("all_reduce"):
+        value = torch.tensor([rank + 1.0], device=device)
+        # 1 + 2 + ... + world_size
+        dist.all_reduce(value)
+        expected = world_size * (world_size + 1) / 2
+        if value.item() != expected:
+            raise RuntimeError(f"sum is {value.item()}, expected {expected}")
+    with step("gather reports"):
+        reports = [None] * world_size
+        dist.all_gather_object(reports, me)
+    with step("barrier"):
+        dist.barrier(device_ids=[local_rank] if backend == "nccl" else None)
+    return reports, value, expected
 
 
 if __name__ == "__main__":

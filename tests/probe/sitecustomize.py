@@ -40,10 +40,13 @@ Faults, injected when a test asks for them:
 - DDP_PROBE_HANG_RANK = R: the process whose rank (init_process_group's `rank`, else the
   launcher's) is R never reaches init_process_group (it sleeps), as a rank stuck before a
   collective would; it records `hang`, every other process records `waiting` there.
-- DDP_PROBE_KILL_AT / DDP_PROBE_RAISE_AT = "rank:pass:batch": when that rank's training loader
-  (loader 0) hands out that batch of that pass, KILL sends SIGKILL to the process itself, only in
-  the first attempt (TORCHELASTIC_RESTART_COUNT, else DDP_PROBE_ATTEMPT, 0 or unset), so a
-  restarted worker runs on; RAISE raises a RuntimeError. They record `killed` / `raised` first.
+- DDP_PROBE_KILL_AT / DDP_PROBE_RAISE_AT / DDP_PROBE_PAUSE_AT = "rank:pass:batch": when that
+  rank's training loader (loader 0) hands out that batch of that pass, KILL sends SIGKILL to the
+  process itself, only in the first attempt (TORCHELASTIC_RESTART_COUNT, else
+  DDP_PROBE_ATTEMPT, 0 or unset, and SLURM_RESTART_COUNT, a requeued job's, 0 or unset), so a
+  restarted worker runs on; RAISE raises a RuntimeError; PAUSE, in the first attempt only,
+  sleeps there (until something ends the process), so that a test can interrupt a run at a
+  known step. They record `killed` / `raised` / `paused` first.
 - DDP_PROBE_CRASH_AT_REPLACE = N: SIGKILL at the process's N-th os.replace call, after the
   temporary file was written and before it is renamed; records `crashed` {source} first.
 """
@@ -139,8 +142,10 @@ def _install() -> None:
     first_attempt = (
         os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("DDP_PROBE_ATTEMPT", "0"))
         == "0"
+        and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
     )
     kill_at, raise_at = fault_at("DDP_PROBE_KILL_AT"), fault_at("DDP_PROBE_RAISE_AT")
+    pause_at = fault_at("DDP_PROBE_PAUSE_AT")
     crash_at, replaces = int(os.environ.get("DDP_PROBE_CRASH_AT_REPLACE", 0)), [0]
 
     original_init_pg = dist.init_process_group
@@ -253,6 +258,9 @@ def _install() -> None:
             if now == kill_at and first_attempt:
                 record("killed")
                 os.kill(os.getpid(), signal.SIGKILL)
+            if now == pause_at and first_attempt:
+                record("paused")
+                time.sleep(3600)
             if now == raise_at:
                 record("raised")
                 raise RuntimeError(f"probe: rank {now[0]} fails on purpose at batch {batch_number}")

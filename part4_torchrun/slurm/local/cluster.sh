@@ -12,7 +12,7 @@
 #
 # Everything (config, munge key and socket, state, logs, pid files) lives in one private
 # directory, DDP_SLURM_DIR (default /tmp/ddp-course-slurm). Ports: DDP_SLURM_PORT for the
-# controller (default 12817: outside the job scripts' 15000-35009 and the kernel's ephemeral
+# controller (default 12817: outside the job scripts' 15000-31999 and the kernel's ephemeral
 # ports) and the next ones, one slurmd per node. Job ids start at DDP_SLURM_FIRST_JOB_ID
 # (default 1); the job scripts derive their port from it. Nodes are named 127.0.0.1 and
 # 127.0.0.2: names that resolve to this machine. DDP_SLURM_CPUS: CPUs per node (default: the
