@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
 from mnist_data import GRADED_TEST, TRAIN_DIGITS
@@ -80,7 +81,14 @@ def graded_targets() -> list[Target]:
     script = os.environ.get("DDP_EXERCISE_SCRIPT")
     if script:
         launcher = os.environ.get("DDP_EXERCISE_LAUNCHER", "srun")
-        return [Target(launcher, script, int(os.environ.get("DDP_EXERCISE_WORLD", 2)))]
+        world = os.environ.get("DDP_EXERCISE_WORLD", "2")
+        if not (REPO / script).is_file():
+            raise pytest.UsageError(f"DDP_EXERCISE_SCRIPT={script}: no such file")
+        if launcher not in SOLUTIONS:
+            raise pytest.UsageError(f"DDP_EXERCISE_LAUNCHER={launcher}: srun or torchrun")
+        if not world.isdigit() or int(world) < 2:
+            raise pytest.UsageError(f"DDP_EXERCISE_WORLD={world}: a number of processes, 2 or more")
+        return [Target(launcher, script, int(world))]
     return [Target("srun", SOLUTIONS["srun"], 2), Target("torchrun", SOLUTIONS["torchrun"], 3)]
 
 
