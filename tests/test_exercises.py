@@ -1,4 +1,4 @@
-"""The exercise autograder (autograder.py), specified by grading: the model solutions pass at
+"""The exercise autograder (tests/autograder/), specified by grading: the model solutions pass at
 2 and 3 ranks, the starting point fails at step 1, and mistakes planted in a solution (from
 grade_mutants.py's gallery) fail at their step with their cause in the report's first line.
 
@@ -43,9 +43,9 @@ def test_autograde(
     tmp_path: Path,
     probe_dir: Path,
 ) -> None:
-    """Every claim of autograder.CLAIMS holds for the script, launched as a learner launches it.
-    The report is printed (conftest.py shows it when grading a learner's script): every claim
-    with its evidence, or the first failure, first and last."""
+    """Every claim (autograder/claims.py) holds for the script, launched as a learner launches
+    it. The report is printed (conftest.py shows it when grading a learner's script): every
+    claim with its evidence, or the first failure, first and last."""
     t = train(target, grading_root, tmp_path, probe_dir, GRADE_EPOCHS)
     findings = grade(t)
     print(report(findings, t))

@@ -81,21 +81,26 @@ def exceptions(t: Training) -> list[dict]:
 
 
 def endings(t: Training) -> list[str]:
-    """How each rank ended: the exception it raised, else the collective it was last in."""
+    """How each rank ended: the exception it raised, else the last thing the probe saw it do."""
     raised = {c["pid"]: c for c in exceptions(t)}
     found = []
     for rank, pid in sorted(t.pids.items()):
-        calls = [e for e in t.events(pid) if e["event"] == "collective"]
+        seen = [e for e in t.events(pid) if e["event"] in ("collective", "save", "load", "batch")]
         if pid in raised:
             line = raised[pid]["line"]
             place = f" at line {line}" if line else ""
             found.append(f"rank {rank} raised {raised[pid]['what']}{place}")
         elif any(e["event"] == "exit" for e in t.events(pid)):
             found.append(f"rank {rank} exited without an exception")
-        elif calls:
-            found.append(
-                f"rank {rank} was last in dist.{calls[-1]['name']}() at line {calls[-1]['line']}"
-            )
+        elif seen:
+            last = seen[-1]
+            doing = {
+                "collective": f"in dist.{last.get('name')}() at line {last.get('line')}",
+                "save": f"in torch.save({Path(last.get('path', '')).name})",
+                "load": f"in torch.load({Path(last.get('path', '')).name})",
+                "batch": f"drawing a batch of loader {last.get('loader')}",
+            }[last["event"]]
+            found.append(f"rank {rank} was last {doing}")
     return found
 
 
@@ -113,14 +118,18 @@ def collective_only_some_reach(t: Training) -> tuple[str, int] | None:
     longest = max(calls, key=lambda rank: len(calls[rank]))
     for position, (name, line) in enumerate(calls[longest]):
         behind = [r for r, seen in calls.items() if seen[position : position + 1] != [(name, line)]]
-        if behind:
-            return (
-                f"rank {longest} called dist.{name}() at {t.where(line)} and rank {behind[0]}"
-                " never reached it: a collective that only some ranks reach waits for the"
-                " others until the timeout (or fails when they leave). Call it on every rank,"
-                " outside `if rank == 0:`",
-                line,
-            )
+        if not behind:
+            continue
+        called = f"rank {longest} called dist.{name}() at {t.where(line)}"
+        if not any(e["event"] == "exit" for e in t.events(t.pids[behind[0]])):
+            # it never exited by itself: killed, or busy elsewhere until the job was ended
+            return f"{called}; rank {behind[0]} never got there and never exited by itself", line
+        return (
+            f"{called} and rank {behind[0]} never reached it: a collective that only some ranks"
+            " reach waits for the others until the timeout (or fails when they leave). Call it"
+            " on every rank, outside `if rank == 0:`",
+            line,
+        )
     return None
 
 

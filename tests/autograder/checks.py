@@ -401,6 +401,8 @@ def check_checkpoint(t: Training) -> Verdict:
         )
     if not writers:
         return unless_failed(t, "no checkpoint was written: rank 0 saves it after the last epoch")
+    if not t.checkpoint.exists():
+        return unless_failed(t, "rank 0 called torch.save, but no checkpoint file is there")
     state = torch.load(t.checkpoint, weights_only=True)
     if any(key.startswith("module.") for key in state):
         return fails(

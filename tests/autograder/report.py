@@ -28,7 +28,8 @@ def report(findings: list[Finding], t: Training) -> str:
         return "\n".join([f"{name}: every claim checked holds", *table(findings), f"log: {t.log}"])
     headline = failed[0].headline
     lines = [headline]
-    lines += [f"  also {f.claim.step}: {f.text}" for f in failed[1:]]
+    # (a failure the headline already tells, as a crash's cause, is not told again)
+    lines += [f"  also {f.claim.step}: {f.text}" for f in failed[1:] if f.text not in headline]
     if t.failed:
         lines += [f"  {ending}" for ending in endings(t)]
     held = sum(f.status == "ok" for f in findings)
