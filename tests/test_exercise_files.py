@@ -25,6 +25,7 @@ JOB_SCRIPTS = [
     "job_ddp_torchrun.sbatch",
     "job_scaling.sbatch",
 ]
+# The bonus tools' runs: 2 CPU ranks.
 WORLD = 2
 
 
