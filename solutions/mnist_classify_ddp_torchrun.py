@@ -114,7 +114,9 @@ def build_loaders(args: argparse.Namespace, rank: int, world_size: int):
         build_datasets(args.data_dir, download=True)
     dist.barrier()
     train_set, test_set = build_datasets(args.data_dir, download=False)
-    # step 3: each rank its own share, in a new order each epoch (set_epoch)
+    # step 3: each rank its own share, in a new order each epoch (set_epoch),
+    # padded to equal shares with the first samples again (4,000 on 3 ranks:
+    # 3 x 1,334, 2 drawn twice), so that every rank takes as many steps
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     # step 3: every world_size-th test image, without the sampler's padding
     test_set = Subset(test_set, range(rank, len(test_set), world_size))

@@ -13,17 +13,20 @@ and "time". The events:
 - node        {node, local_rank}     after init_process_group: the node is SLURMD_NODENAME under
               Slurm, else DDP_PROBE_NODE (a test's name for a launcher it started), else the host
               name; the local rank is the launcher's (LOCAL_RANK, else SLURM_LOCALID)
-- batch       {loader, workers, start, pass, indices, samples}  every batch a loader's batch sampler
-              hands out: loader = the loader's creation order in this process, workers = its
-              num_workers (loader processes), start = how they are started (the
+- batch       {loader, workers, start, pass, indices, samples[, sampler]}  every batch a loader's
+              batch sampler hands out: loader = the loader's creation order in this process,
+              workers = its num_workers (loader processes), start = how they are started (the
               multiprocessing start method: fork, forkserver, spawn; None without workers),
-              pass = how many times it was
-              iterated before (for torchdata's StatefulDataLoader: its sampler's epoch), indices =
-              what the sampler drew, samples = those indices in the underlying data set (through
-              any Subset)
+              pass = how many times it was iterated before (for torchdata's
+              StatefulDataLoader: its sampler's epoch), indices = what the sampler drew,
+              samples = those indices in the underlying data set (through any Subset); the
+              first batch of a pass adds sampler = the sampler's class and settings (epoch,
+              seed, shuffle, num_replicas, rank, drop_last: those it has)
 - collective  {name, file, line}     when the script calls a torch.distributed collective
               (recorded before the call, so a call that never returns is recorded too)
 - save        {path}                 every torch.save, the probe's own files excluded
+- load        {path}                 every torch.load, recorded before the read (so a read of
+              a file that is not there yet is recorded too)
 - final       {threads}              at destroy_process_group; the parameters of the first
               optimizer (the model being trained) go to <pid>.params.pt
 - exit        {gloo_threads}         when Python shuts down normally (atexit; not in children
@@ -31,6 +34,12 @@ and "time". The events:
               init_process_group: how many of gloo's threads still run. 0 when the group was
               released; more when something still holds it and it will be torn down during
               interpreter shutdown, where gloo can abort the process.
+- exception   {type, message, launcher_rank, frames}  an exception that ends the process
+              (sys.excepthook): frames = [file, line, function] of its traceback, innermost
+              last; launcher_rank = RANK, else SLURM_PROCID (the rank before any group exists)
+- first_step  {samples}              with DDP_PROBE_FIRST_STEP=1, at the first optimizer's
+              first step: what one step computed goes to <pid>.first_step.pt (see
+              record_first_step)
 
 Faults, injected when a test asks for them:
 
@@ -49,6 +58,8 @@ Faults, injected when a test asks for them:
   known step. They record `killed` / `raised` / `paused` first.
 - DDP_PROBE_CRASH_AT_REPLACE = N: SIGKILL at the process's N-th os.replace call, after the
   temporary file was written and before it is renamed; records `crashed` {source} first.
+- DDP_PROBE_SAVE_DELAY_S = S: every torch.save waits S seconds before it writes, as a slow
+  disk would: a read that is not ordered after the write then loses the race every time.
 """
 
 import atexit
@@ -60,19 +71,37 @@ import signal
 import socket
 import sys
 import time
+import traceback
 import weakref
 
 PROBE_DIR = os.environ.get("DDP_PROBE_DIR")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce")
+# The sampler settings a batch record names (DistributedSampler's; others have fewer).
+SAMPLER_SETTINGS = ("epoch", "seed", "shuffle", "num_replicas", "rank", "drop_last")
+
+# The first optimizer the process builds: the one that trains the model.
+optimizers: list = []
+# torch.save as it was before the probe, for the probe's own files.
+original_save = None
 
 
 def record(event: str, **fields) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    line = json.dumps({"event": event, "rank": rank, "time": time.time(), **fields})
+    fields = {"rank": rank, **fields}
+    line = json.dumps({"event": event, "time": time.time(), **fields})
     with open(os.path.join(PROBE_DIR, f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line + "\n")
+
+
+def probe_file(suffix: str) -> str:
+    return os.path.join(PROBE_DIR, f"{os.getpid()}.{suffix}")
+
+
+def launcher_rank() -> str | None:
+    """The rank the launcher gave this process: torchrun's RANK, else srun's SLURM_PROCID."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
 
 
 def gloo_threads() -> int | None:
@@ -132,36 +161,37 @@ def start_method(loader, workers: int) -> str | None:
     )
 
 
-def _install() -> None:
-    import torch
+def sampler_settings(sampler) -> dict:
+    """The sampler's class and the settings it has among SAMPLER_SETTINGS."""
+    settings = {"type": type(sampler).__name__}
+    for name in SAMPLER_SETTINGS:
+        value = getattr(sampler, name, None)
+        if isinstance(value, (bool, int)):
+            settings[name] = value
+    return settings
+
+
+# ---- what the probe records: one function per kind of event, each wrapping torch's own ----
+
+
+def record_process_group() -> None:
+    """init and node after init_process_group, exit at shutdown; the fail and hang faults."""
     import torch.distributed as dist
-    import torch.utils.data as data
 
-    optimizers: list = []
-    loader_count = [0]
-    first_attempt = (
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("DDP_PROBE_ATTEMPT", "0"))
-        == "0"
-        and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
-    )
-    kill_at, raise_at = fault_at("DDP_PROBE_KILL_AT"), fault_at("DDP_PROBE_RAISE_AT")
-    pause_at = fault_at("DDP_PROBE_PAUSE_AT")
-    crash_at, replaces = int(os.environ.get("DDP_PROBE_CRASH_AT_REPLACE", 0)), [0]
-
-    original_init_pg = dist.init_process_group
+    original = dist.init_process_group
 
     def init_process_group(*args, **kwargs):
-        launcher_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-        if launcher_rank is not None and launcher_rank == os.environ.get("DDP_PROBE_FAIL_RANK"):
-            record("fail", rank=int(launcher_rank))
+        launcher = launcher_rank()
+        if launcher is not None and launcher == os.environ.get("DDP_PROBE_FAIL_RANK"):
+            record("fail", rank=int(launcher))
             os._exit(3)
         hang_rank = os.environ.get("DDP_PROBE_HANG_RANK")
         if hang_rank is not None:
-            rank = str(kwargs.get("rank", launcher_rank))
+            rank = str(kwargs.get("rank", launcher))
             record("hang" if rank == hang_rank else "waiting", rank=int(rank))
             if rank == hang_rank:
                 time.sleep(3600)
-        result = original_init_pg(*args, **kwargs)
+        result = original(*args, **kwargs)
         timeout = kwargs.get("timeout")
         record(
             "init",
@@ -182,7 +212,13 @@ def _install() -> None:
 
     dist.init_process_group = init_process_group
 
-    original_destroy = dist.destroy_process_group
+
+def record_destroy() -> None:
+    """final at destroy_process_group, with the trained parameters in <pid>.params.pt."""
+    import torch
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
 
     def destroy_process_group(*args, **kwargs):
         if dist.is_initialized():
@@ -192,11 +228,16 @@ def _install() -> None:
                     for group in optimizers[0].param_groups
                     for p in group["params"]
                 ]
-                original_save(params, os.path.join(PROBE_DIR, f"{os.getpid()}.params.pt"))
+                original_save(params, probe_file("params.pt"))
             record("final", threads=torch.get_num_threads())
-        return original_destroy(*args, **kwargs)
+        return original(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
+
+
+def record_collectives() -> None:
+    """collective, with the caller's file and line, before each call of COLLECTIVES."""
+    import torch.distributed as dist
 
     def recording(name: str, original):
         def collective(*args, **kwargs):
@@ -209,16 +250,74 @@ def _install() -> None:
     for name in COLLECTIVES:
         setattr(dist, name, recording(name, getattr(dist, name)))
 
+
+def record_checkpoint_files() -> None:
+    """save and load around torch.save and torch.load; the save-delay fault."""
+    import torch
+
+    global original_save
     original_save = torch.save
+    original_load = torch.load
+    delay = float(os.environ.get("DDP_PROBE_SAVE_DELAY_S", 0))
+
+    def where(f) -> str:
+        return os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else repr(f)
 
     def save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            record("save", path=os.path.abspath(os.fspath(f)))
-        else:
-            record("save", path=repr(f))
+        record("save", path=where(f))
+        time.sleep(delay)
         return original_save(obj, f, *args, **kwargs)
 
-    torch.save = save
+    def load(f, *args, **kwargs):
+        record("load", path=where(f))
+        return original_load(f, *args, **kwargs)
+
+    torch.save, torch.load = save, load
+
+
+def record_batches() -> None:
+    """batch, for every batch a DataLoader's batch sampler hands out; the kill and raise
+    faults. Each loader tags its batch sampler at creation; the sampler's iteration records."""
+    import torch.distributed as dist
+    import torch.utils.data as data
+
+    first_attempt = (
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("DDP_PROBE_ATTEMPT", "0"))
+        == "0"
+        and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    )
+    kill_at, raise_at = fault_at("DDP_PROBE_KILL_AT"), fault_at("DDP_PROBE_RAISE_AT")
+    pause_at = fault_at("DDP_PROBE_PAUSE_AT")
+
+    def on_batch(sampler, pass_number: int, batch_number: int, batch: list) -> None:
+        loader = getattr(sampler, "_probe_loader", None)
+        if loader is None:
+            return
+        workers = sampler._probe_workers
+        fields = {
+            "loader": loader,
+            "workers": workers,
+            "start": start_method(sampler._probe_owner(), workers),
+            "indices": [int(i) for i in batch],
+            "samples": [in_dataset(i, sampler._probe_maps) for i in batch],
+            "pass": pass_number,
+        }
+        if batch_number == 0:
+            fields["sampler"] = sampler_settings(getattr(sampler, "sampler", None))
+        record("batch", **fields)
+        if loader == 0 and dist.is_initialized():
+            now = (dist.get_rank(), pass_number, batch_number)
+            if now == kill_at and first_attempt:
+                record("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if now == pause_at and first_attempt:
+                record("paused")
+                time.sleep(3600)
+            if now == raise_at:
+                record("raised")
+                raise RuntimeError(f"probe: rank {now[0]} fails on purpose at batch {batch_number}")
+
+    loader_count = [0]
 
     def tagging(original_init):
         """A loader __init__ that tags its batch sampler with the loader's creation order."""
@@ -236,82 +335,33 @@ def _install() -> None:
         return loader_init
 
     data.DataLoader.__init__ = tagging(data.DataLoader.__init__)
-
-    def on_batch(sampler, pass_number: int, batch_number: int, batch: list) -> None:
-        loader = getattr(sampler, "_probe_loader", None)
-        if loader is None:
-            return
-        samples = [in_dataset(i, sampler._probe_maps) for i in batch]
-        indices = [int(i) for i in batch]
-        workers = sampler._probe_workers
-        record(
-            "batch",
-            loader=loader,
-            workers=workers,
-            start=start_method(sampler._probe_owner(), workers),
-            indices=indices,
-            samples=samples,
-            **{"pass": pass_number},
-        )
-        if loader == 0 and dist.is_initialized():
-            now = (dist.get_rank(), pass_number, batch_number)
-            if now == kill_at and first_attempt:
-                record("killed")
-                os.kill(os.getpid(), signal.SIGKILL)
-            if now == pause_at and first_attempt:
-                record("paused")
-                time.sleep(3600)
-            if now == raise_at:
-                record("raised")
-                raise RuntimeError(f"probe: rank {now[0]} fails on purpose at batch {batch_number}")
-
-    original_batch_iter = data.BatchSampler.__iter__
+    original_iter = data.BatchSampler.__iter__
 
     def batch_iter(self):
         pass_number = getattr(self, "_probe_pass", 0)
         self._probe_pass = pass_number + 1
-        for batch_number, batch in enumerate(original_batch_iter(self)):
+        for batch_number, batch in enumerate(original_iter(self)):
             on_batch(self, pass_number, batch_number, batch)
             yield batch
 
     data.BatchSampler.__iter__ = batch_iter
+    record_stateful_batches(tagging, on_batch)
 
-    original_optimizer_init = torch.optim.Optimizer.__init__
 
-    def optimizer_init(self, params, *args, **kwargs):
-        # may be a generator: materialise it once for both uses
-        params = list(params)
-        original_optimizer_init(self, params, *args, **kwargs)
-        # the first optimizer holds the model being trained
-        if not optimizers:
-            optimizers.append(self)
-
-    torch.optim.Optimizer.__init__ = optimizer_init
-
-    original_replace = os.replace
-
-    def replace(source, destination, *args, **kwargs):
-        replaces[0] += 1
-        if replaces[0] == crash_at:
-            record("crashed", source=os.fspath(source))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original_replace(source, destination, *args, **kwargs)
-
-    os.replace = replace
-
-    # torchdata's StatefulDataLoader (step 7) has a batch sampler of its own whose iterator
-    # saves its position; a resumed one skips the batches already done without drawing them,
-    # so its batch numbers count from the epoch's start.
+def record_stateful_batches(tagging, on_batch) -> None:
+    """batch for torchdata's StatefulDataLoader (step 7), whose batch sampler has an iterator
+    of its own that saves its position; a resumed one skips the batches already done without
+    drawing them, so its batch numbers count from the epoch's start."""
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader import sampler as stateful
     except ImportError:
         return
     StatefulDataLoader.__init__ = tagging(StatefulDataLoader.__init__)
-    original_stateful_iter = stateful.BatchSampler.__iter__
+    original_iter = stateful.BatchSampler.__iter__
 
     def stateful_iter(self):
-        iterator = original_stateful_iter(self)
+        iterator = original_iter(self)
         # The pass is the DistributedSampler's epoch: the loader with workers makes more than
         # one iterator per pass.
         iterator._probe = (self, getattr(self.sampler, "epoch", 0))
@@ -330,6 +380,131 @@ def _install() -> None:
     stateful._BatchSamplerIterator.__next__ = stateful_next
 
 
+def record_optimizer() -> None:
+    """Keeps the first optimizer built: it holds the model being trained."""
+    import torch
+
+    original = torch.optim.Optimizer.__init__
+
+    def optimizer_init(self, params, *args, **kwargs):
+        # may be a generator: materialise it once for both uses
+        params = list(params)
+        original(self, params, *args, **kwargs)
+        if not optimizers:
+            optimizers.append(self)
+
+    torch.optim.Optimizer.__init__ = optimizer_init
+
+
+def record_first_step() -> None:
+    """first_step: at the first optimizer's first step(), what that step is made of goes to
+    <pid>.first_step.pt: {params: the weights before the step, grads: the gradients it
+    applies, inputs: the model's input at the last forward of a module with parameters,
+    called from outside any module, rng: the CPU random state just before that forward (it
+    decides dropout), labels: the second tensor of the last batch a DataLoader gave}. With
+    them, one process can recompute what the step should have been. The hooks (on every
+    module call) go once the step is recorded."""
+    import torch
+    import torch.nn as nn
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    seen: dict = {}
+    depth = [0]
+    original_next = _BaseDataLoaderIter.__next__
+
+    def next_batch(self):
+        batch = original_next(self)
+        seen["batch"] = batch
+        return batch
+
+    def before_forward(module, args):
+        tensor = args and torch.is_tensor(args[0])
+        if depth[0] == 0 and tensor and any(True for _ in module.parameters()):
+            seen["rng"] = torch.get_rng_state()
+            seen["inputs"] = args[0].detach().cpu().clone()
+        depth[0] += 1
+
+    def after_forward(module, args, output):
+        depth[0] -= 1
+
+    def before_step(optimizer, args, kwargs):
+        if not optimizers or optimizer is not optimizers[0]:
+            return
+        for handle in handles:
+            handle.remove()
+        _BaseDataLoaderIter.__next__ = original_next
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        batch = seen.get("batch")
+        labels = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+        step = {
+            "params": [p.detach().cpu().clone() for p in params],
+            "grads": [None if p.grad is None else p.grad.detach().cpu().clone() for p in params],
+            "inputs": seen.get("inputs"),
+            "rng": seen.get("rng"),
+            "labels": labels.detach().cpu().clone() if torch.is_tensor(labels) else None,
+        }
+        original_save(step, probe_file("first_step.pt"))
+        inputs = step["inputs"]
+        record("first_step", samples=None if inputs is None else len(inputs))
+
+    _BaseDataLoaderIter.__next__ = next_batch
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(before_forward),
+        nn.modules.module.register_module_forward_hook(after_forward, always_call=True),
+        register_optimizer_step_pre_hook(before_step),
+    ]
+
+
+def record_exceptions() -> None:
+    """exception, for an exception that ends the process, before Python prints it."""
+    original = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        try:
+            frames = [[f.filename, f.lineno, f.name] for f in traceback.extract_tb(tb)]
+            rank = launcher_rank()
+            record(
+                "exception",
+                type=kind.__name__,
+                message=str(value),
+                launcher_rank=None if rank is None else int(rank),
+                frames=frames[-12:],
+            )
+        finally:
+            original(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
+def crash_at_replace() -> None:
+    """The DDP_PROBE_CRASH_AT_REPLACE fault: crashed, then SIGKILL, at the N-th os.replace."""
+    crash_at, replaces = int(os.environ.get("DDP_PROBE_CRASH_AT_REPLACE", 0)), [0]
+    original = os.replace
+
+    def replace(source, destination, *args, **kwargs):
+        replaces[0] += 1
+        if replaces[0] == crash_at:
+            record("crashed", source=os.fspath(source))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(source, destination, *args, **kwargs)
+
+    os.replace = replace
+
+
+def install() -> None:
+    record_process_group()
+    record_destroy()
+    record_collectives()
+    record_checkpoint_files()
+    record_batches()
+    record_optimizer()
+    if os.environ.get("DDP_PROBE_FIRST_STEP") == "1":
+        record_first_step()
+    record_exceptions()
+    crash_at_replace()
+
+
 class AfterTorch(importlib.abc.MetaPathFinder):
     """Finds `torch` as Python would, and installs the hooks right after torch's own import."""
 
@@ -342,7 +517,7 @@ class AfterTorch(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:
             import_torch(module)
-            _install()
+            install()
 
         spec.loader.exec_module = exec_module
         return spec

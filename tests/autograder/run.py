@@ -1,0 +1,283 @@
+"""The launch, as a learner's job would run it, and what a training run left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
+from mnist_data import GRADED_TEST, TRAIN_DIGITS
+
+SOLUTIONS = {
+    "srun": "solutions/mnist_classify_ddp.py",
+    "torchrun": "solutions/mnist_classify_ddp_torchrun.py",
+}
+STARTING_POINT = "exercises/mnist_classify_ddp.py"
+# Seconds for a whole job; a healthy 2-rank grading takes ~20 s here.
+LAUNCH_TIMEOUT = 180
+# The scripts' collective timeout (DDP_TIMEOUT_S) while graded: a rank that waits for a
+# collective the others never reach fails after this long.
+COLLECTIVE_TIMEOUT_S = 30
+# 2 epochs would do for the step checks (set_epoch); 3 give a meaningful accuracy.
+GRADE_EPOCHS = 3
+# Samples per optimizer step over all ranks: each rank's --batch-size is this over the world
+# size (32 on 2 ranks, 21 on 3), so every world size solves nearly the same problem.
+GLOBAL_BATCH = 64
+
+# What `srun --ntasks=$NTASKS --kill-on-bad-exit=1` does on one node, for machines without
+# Slurm: start every task with Slurm's variables; when one fails, end the others and fail.
+FAKE_SRUN = r"""
+pids=()
+for ((task = 0; task < NTASKS; task++)); do
+    SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_NTASKS=$NTASKS "$@" &
+    pids+=($!)
+    echo "fake-srun: task $task is pid $!" >&2
+done
+# Each task is waited for by its pid once it has ended: `wait -n` can miss a task that ended
+# before it was called and then report 127 for a job that succeeded.
+left=("${pids[@]}")
+while ((${#left[@]})); do
+    running=()
+    for pid in "${left[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then
+            running+=("$pid")
+            continue
+        fi
+        wait "$pid"
+        status=$?
+        if ((status)); then
+            kill "${pids[@]}" 2>/dev/null
+            exit "$status"
+        fi
+    done
+    left=("${running[@]}")
+    sleep 0.2
+done
+"""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to grade: a script, how it is launched ("srun" or "torchrun"), on how many ranks."""
+
+    launcher: str
+    script: str
+    world: int = 2
+
+    def __str__(self) -> str:
+        return f"{self.launcher}-{self.world}-{self.script}"
+
+
+def graded_targets() -> list[Target]:
+    """The learner's script if DDP_EXERCISE_SCRIPT names one (DDP_EXERCISE_LAUNCHER, default
+    srun; DDP_EXERCISE_WORLD processes, default 2), else both solutions, at 2 and 3 ranks."""
+    script = os.environ.get("DDP_EXERCISE_SCRIPT")
+    if script:
+        launcher = os.environ.get("DDP_EXERCISE_LAUNCHER", "srun")
+        world = os.environ.get("DDP_EXERCISE_WORLD", "2")
+        if not (REPO / script).is_file():
+            raise pytest.UsageError(f"DDP_EXERCISE_SCRIPT={script}: no such file")
+        if launcher not in SOLUTIONS:
+            raise pytest.UsageError(f"DDP_EXERCISE_LAUNCHER={launcher}: srun or torchrun")
+        if not world.isdigit() or int(world) < 2:
+            raise pytest.UsageError(f"DDP_EXERCISE_WORLD={world}: a number of processes, 2 or more")
+        return [Target(launcher, script, int(world))]
+    return [Target("srun", SOLUTIONS["srun"], 2), Target("torchrun", SOLUTIONS["torchrun"], 3)]
+
+
+def threads_per_task(world: int) -> int:
+    """The OMP_NUM_THREADS a job script exports: the cores shared among the tasks."""
+    return max(1, len(os.sched_getaffinity(0)) // world)
+
+
+@dataclass
+class Training:
+    target: Target
+    run: Run
+    probe: Probe
+    # task (the rank its launcher gave it) -> pid; empty when the launcher does not say
+    tasks: dict[int, int]
+    checkpoint: Path
+    epochs: int
+    train_digits: int
+    test_digits: int
+    seconds: float
+    timeout: float
+    log: Path
+
+    @property
+    def world(self) -> int:
+        return self.target.world
+
+    @property
+    def script(self) -> Path:
+        return REPO / self.target.script
+
+    @property
+    def failed(self) -> bool:
+        return self.run.returncode != 0
+
+    @cached_property
+    def pids(self) -> dict[int, int]:
+        """rank -> pid; processes that never joined a process group count as their task."""
+        return self.probe.ranks() or self.tasks
+
+    def rank_of(self, pid: int) -> int | None:
+        return next((rank for rank, p in self.pids.items() if p == pid), None)
+
+    @cached_property
+    def module(self):
+        """The graded script as a module, without running its main(): its Net, for one."""
+        spec = importlib.util.spec_from_file_location("graded_script", self.script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    @cached_property
+    def lines(self) -> list[str]:
+        return self.script.read_text().splitlines()
+
+    def where(self, line: int) -> str:
+        """`line N (`source`)` of the graded script."""
+        return f"line {line} (`{self.lines[line - 1].strip()}`)"
+
+    def step_of(self, line: int) -> str | None:
+        """The `# step N` tag on a script's line, else on the nearest tagged line above it in
+        the same function (up to its `def` line)."""
+        indent = len(self.lines[line - 1]) - len(self.lines[line - 1].lstrip())
+        for text in reversed(self.lines[:line]):
+            tag = re.search(r"# step (\d)", text)
+            if tag:
+                return f"step {tag.group(1)}"
+            if text.lstrip().startswith("def ") and len(text) - len(text.lstrip()) < indent:
+                return None
+        return None
+
+    def events(self, pid: int) -> list[dict]:
+        return [r for r in self.probe.records if r["pid"] == pid]
+
+    @cached_property
+    def batches(self) -> dict[int, list[dict]]:
+        """pid -> the batch records of its loaders."""
+        found: dict[int, list[dict]] = {}
+        for r in self.probe.events("batch"):
+            found.setdefault(r["pid"], []).append(r)
+        return found
+
+    def training_loader(self, pid: int) -> int | None:
+        """The loader that drew the most in epoch 1, whatever the order they were built in."""
+        drawn: dict[int, int] = {}
+        for r in self.batches.get(pid, []):
+            if r["pass"] == 0:
+                drawn[r["loader"]] = drawn.get(r["loader"], 0) + len(r["samples"])
+        return max(drawn, key=drawn.get) if drawn else None
+
+    def draws(self, epoch: int, training: bool) -> dict[int, list[int]]:
+        """rank -> data-set indices its training loader (or its other loaders: the test
+        set's) drew in `epoch`, in order."""
+        found = {}
+        for rank, pid in self.pids.items():
+            loader = self.training_loader(pid)
+            found[rank] = [
+                i
+                for r in self.batches.get(pid, [])
+                if r["pass"] == epoch and (r["loader"] == loader) == training
+                for i in r["samples"]
+            ]
+        return found
+
+    def samplers(self, epoch: int) -> dict[int, dict]:
+        """rank -> its training sampler's class and settings in `epoch`."""
+        found = {}
+        for rank, pid in self.pids.items():
+            loader = self.training_loader(pid)
+            firsts = [
+                r["sampler"]
+                for r in self.batches.get(pid, [])
+                if r["loader"] == loader and r["pass"] == epoch and "sampler" in r
+            ]
+            found[rank] = firsts[0] if firsts else {}
+        return found
+
+    @property
+    def whole_epochs(self) -> int:
+        """Epochs that every rank finished: all of them, unless the job failed; then those
+        rank 0 printed (it prints after summing every rank's counts)."""
+        return min(self.epochs, len(self.run.epochs())) if self.failed else self.epochs
+
+    def first_steps(self) -> dict[int, dict]:
+        """rank -> what its first optimizer step was made of (probe: record_first_step)."""
+        steps = {}
+        for rank, pid in self.pids.items():
+            path = self.probe.directory / f"{pid}.first_step.pt"
+            if path.exists():
+                steps[rank] = torch.load(path, weights_only=True)
+        return steps
+
+    def params(self) -> dict[int, list[torch.Tensor]]:
+        """rank -> its parameters at destroy_process_group(), for the ranks that got there."""
+        return {
+            rank: self.probe.params(pid)
+            for rank, pid in self.pids.items()
+            if (self.probe.directory / f"{pid}.params.pt").exists()
+        }
+
+
+def train(
+    target: Target,
+    data: Path,
+    tmp_path: Path,
+    probe_dir: Path,
+    epochs: int,
+    digits: tuple[int, int] = (TRAIN_DIGITS, GRADED_TEST),
+    workers: int | None = None,
+    env: dict[str, str] | None = None,
+    collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
+    launch_timeout: int = LAUNCH_TIMEOUT,
+) -> Training:
+    """Launch `target` on `data` for `epochs` with the probe; workers=None keeps the script's
+    default loader workers, as a learner runs it."""
+    checkpoint = tmp_path / "ckpt" / "mnist_cnn.pt"
+    script = REPO / target.script
+    batch = max(1, GLOBAL_BATCH // target.world)
+    script_args = [str(script), "--batch-size", str(batch), "--lr", "1.0", "--seed", "0"]
+    script_args += ["--epochs", str(epochs), "--data-dir", str(data)]
+    script_args += ["--checkpoint", str(checkpoint)]
+    if workers is not None:
+        script_args += ["--workers", str(workers)]
+    env = {"DDP_TIMEOUT_S": str(collective_timeout_s), "DDP_PROBE_FIRST_STEP": "1", **(env or {})}
+    if target.launcher == "torchrun":
+        command = [TORCHRUN, "--standalone", f"--nproc_per_node={target.world}", *script_args]
+    else:
+        command = ["bash", "-c", FAKE_SRUN, "fake-srun", PYTHON, *script_args]
+        # What the job script exports before srun: where to meet, and the threads per task.
+        env |= {
+            "NTASKS": str(target.world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": str(threads_per_task(target.world)),
+        }
+    start = time.monotonic()
+    run = launch(
+        command,
+        timeout=launch_timeout,
+        env=env,
+        probe_dir=probe_dir,
+        check=False,
+        fail_on_timeout=False,
+    )
+    seconds = time.monotonic() - start
+    announced = re.findall(r"^fake-srun: task (\d+) is pid (\d+)$", run.stderr, re.M)
+    tasks = {int(task): int(pid) for task, pid in announced}
+    probe = Probe.read(probe_dir)
+    log = tmp_path / "grade.log"
+    return Training(
+        target, run, probe, tasks, checkpoint, epochs, *digits, seconds, launch_timeout, log
+    )
