@@ -16,14 +16,13 @@ OMP_NUM_THREADS (the cores shared among the tasks), which the job script exports
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from autograder.claims import failing, grade
 from autograder.report import report
 from autograder.run import GRADE_EPOCHS, SOLUTIONS, STARTING_POINT, Target, graded_targets, train
-from conftest import PYTHON, with_environ
+from conftest import with_environ
 from grade_mutants import MUTANTS, plant
 from mnist_data import (  # noqa: F401  (the *_root names are pytest fixtures)
     SMALL_TEST,
@@ -180,25 +179,3 @@ def test_grader_tells_a_hung_loader_worker_from_a_collective_some_ranks_skip(
     # Nothing of the run is left, the stuck worker included.
     left = with_environ(f"DDP_PROBE_DIR={probe_dir}")
     assert not left, f"processes left running: {left}\n{text}"
-
-
-def test_solution_loaders_finish_beside_a_cpu_load(
-    small_root: Path,  # noqa: F811
-    tmp_path: Path,
-    probe_dir: Path,
-) -> None:
-    """A short run of the torchrun solution with its loader workers, while another process
-    keeps a core busy: it finishes, and no loader forks its workers from a rank (a fork while
-    gloo's, the loaders' or tqdm's threads hold a lock can hang the worker). One launch: the
-    stall it guards against is rare, so this checks the setting and that it runs under load;
-    tests/stress_loader_workers.py counts stalls over many launches."""
-    busy = subprocess.Popen([PYTHON, "-c", "while True: pass"], start_new_session=True)
-    try:
-        target = Target("torchrun", SOLUTIONS["torchrun"])
-        t = train(target, small_root, tmp_path, probe_dir, 1, SMALL)
-        assert t.run.returncode == 0, t.run.describe()
-        starts = {(e["loader"], e["workers"], e["start"]) for e in t.probe.events("batch")}
-        assert {start for _, _, start in starts} == {"spawn"}, starts
-    finally:
-        busy.kill()
-        busy.wait()
