@@ -54,6 +54,10 @@ def count(n: int) -> str:
     return f"{n:,}"
 
 
+def samples(n: int) -> str:
+    return f"{count(n)} sample" + ("" if n == 1 else "s")
+
+
 def per_rank(values: dict[int, object]) -> str:
     return ", ".join(f"rank {rank}: {value}" for rank, value in sorted(values.items()))
 
@@ -248,14 +252,15 @@ def check_shards(t: Training) -> Verdict:
             continue
         samplers = t.samplers(epoch)
         kinds = {rank: s.get("type") for rank, s in samplers.items()}
-        said = f"in epoch {epoch + 1} {per_rank(sizes)} samples"
+        drew = per_rank({rank: count(size) for rank, size in sizes.items()})
+        said = f"in epoch {epoch + 1}, {drew} samples"
         idle = [rank for rank, size in sizes.items() if not size]
         if idle:
             return fails(f"ranks {idle} trained on nothing ({said})")
         whole = [rank for rank, size in sizes.items() if size >= n]
         if whole:
             return fails(
-                f"ranks {whole} each trained on all {count(n)} samples ({said}; sampler"
+                f"ranks {whole} each trained on all {samples(n)} ({said}; sampler"
                 f" {kinds[whole[0]]}): no DistributedSampler. Give the training DataLoader"
                 " sampler=DistributedSampler(train_set, world_size, rank), not shuffle=True"
             )
@@ -266,7 +271,7 @@ def check_shards(t: Training) -> Verdict:
             )
         seeds = {rank: s.get("seed") for rank, s in samplers.items()}
         numbers = {rank: s.get("epoch") for rank, s in samplers.items()}
-        overlap = f"{count(twice)} samples drawn twice, {count(missing)} never ({said})"
+        overlap = f"{samples(twice)} drawn twice, {count(missing)} never ({said})"
         if len(set(seeds.values())) > 1:
             return fails(
                 f"the ranks' shares overlap: {overlap}. Their samplers were seeded"
@@ -350,7 +355,7 @@ def check_test_shares(t: Training) -> Verdict:
     twice = len(everything) - len(set(everything))
     if twice and twice == w * math.ceil(n / w) - n:
         return fails(
-            f"the test set was padded, {twice} samples evaluated twice: a DistributedSampler"
+            f"the test set was padded, {samples(twice)} evaluated twice: a DistributedSampler"
             f" pads the {count(n)} test samples to {w} x {math.ceil(n / w)}; split them"
             f" without padding, {share}"
         )
@@ -380,7 +385,7 @@ def check_counts(t: Training) -> Verdict:
             )
             return fails(
                 f"epoch {epoch + 1} reports train_samples={said[0]} test_samples={said[1]};"
-                f" the ranks drew {together[0]} and {together[1]} together: {why}"
+                f" the ranks drew {count(together[0])} and {count(together[1])} together: {why}"
             )
     padded = (
         f" ({count(together[0] - t.train_digits)} padding)" if together[0] > t.train_digits else ""
