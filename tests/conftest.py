@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,9 +136,11 @@ def launch(
     cwd: Path = REPO,
     check: bool = True,
     fail_on_timeout: bool = True,
+    before_kill: Callable[[], None] | None = None,
 ) -> Run:
-    """Run a command in its own process group; on timeout kill the whole group and everything
-    below it, then fail (or, with fail_on_timeout=False, return a Run with timed_out set)."""
+    """Run a command in its own process group; on timeout call `before_kill` (e.g. to make
+    every process dump its stacks), kill the whole group and everything below it, then fail
+    (or, with fail_on_timeout=False, return a Run with timed_out set)."""
     full_env = {
         k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"
     }  # let the scripts choose
@@ -160,6 +163,8 @@ def launch(
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if before_kill is not None:
+            before_kill()
         killed = kill_tree(process.pid)
         try:
             stdout, stderr = process.communicate(timeout=10)

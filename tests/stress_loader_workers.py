@@ -9,7 +9,7 @@ its workers in sessions of their own, and an orphaned loader worker leaves its p
 and the harness checks that nothing is left.
 
     python tests/stress_loader_workers.py -n 40 --load 1
-    python tests/stress_loader_workers.py -n 40 --load 1 --script old_version.py --workers 4
+    python tests/stress_loader_workers.py -n 40 --load 1 --script path/to/other_train.py --workers 4
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import PYTHON, REPO, TORCHRUN, with_environ
+from conftest import PYTHON, TORCHRUN, launch, with_environ
 from mnist_data import first_digits, get_mnist_subset
 
 # Imported at start-up by every process of a launch (PYTHONPATH): stacks on SIGUSR1. A fork
@@ -59,48 +59,44 @@ def signal_all(pids: list[int], signum: int) -> None:
             os.kill(pid, signum)
 
 
-def launch(args: argparse.Namespace, data: Path, hooks: Path, workdir: Path) -> tuple[str, str]:
+def one_launch(args: argparse.Namespace, data: Path, hooks: Path) -> tuple[str, str]:
     """One launch: ("ok" | "stall" | "failed", its stderr)."""
-    marker = f"STRESS_LAUNCH={uuid.uuid4().hex}"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env |= {
+    marker = ("STRESS_LAUNCH", uuid.uuid4().hex)
+    env = {
         "PYTHONPATH": str(hooks),
         # A rank left waiting in a collective waits past the launch's timeout: a stall is
         # caught while every process still sits where it stuck.
         "DDP_TIMEOUT_S": str(int(args.timeout) + 60),
-        marker.split("=")[0]: marker.split("=")[1],
+        marker[0]: marker[1],
     }
     script_args = ["--epochs", str(args.epochs), "--workers", str(args.workers)]
     script_args += ["--batch-size", "32", "--data-dir", str(data), "--checkpoint", ""]
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", args.script, *script_args]
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = process.communicate(timeout=args.timeout)
-        outcome = "ok" if process.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        signal_all(with_environ(marker), signal.SIGUSR1)
+
+    def dump_stacks() -> None:
+        # every process of the launch, orphaned loader workers too, into its stderr
+        signal_all(with_environ("=".join(marker)), signal.SIGUSR1)
         time.sleep(2)
-        outcome, stderr = "stall", ""
-    # Whatever is left (a stall, or an orphaned worker of a failed launch) is killed.
+
+    run = launch(
+        command,
+        timeout=args.timeout,
+        env=env,
+        check=False,
+        fail_on_timeout=False,
+        before_kill=dump_stacks,
+    )
+    # Whatever is left (an orphaned worker of a stalled or failed launch) is killed.
     for _ in range(20):
-        left = with_environ(marker)
+        left = with_environ("=".join(marker))
         if not left:
             break
         signal_all(left, signal.SIGKILL)
         time.sleep(0.5)
     else:
         sys.exit(f"processes {left} survived SIGKILL")
-    if outcome == "stall":
-        _, stderr = process.communicate(timeout=30)
-    return outcome, stderr
+    outcome = "stall" if run.timed_out else "ok" if run.returncode == 0 else "failed"
+    return outcome, run.stderr
 
 
 def main() -> None:
@@ -129,7 +125,7 @@ def main() -> None:
             if time.monotonic() > deadline:
                 break
             start = time.perf_counter()
-            outcome, stderr = launch(args, data, hooks, workdir)
+            outcome, stderr = one_launch(args, data, hooks)
             seconds.append(time.perf_counter() - start)
             counts[outcome] += 1
             if outcome != "ok":

@@ -15,7 +15,7 @@ from course_steps import PART1, STEP6
 COLUMNS = [
     *("suite", "label", "workload", "script", "launcher", "world_size", "threads"),
     *("threads_seen", "batch_per_process", "global_batch", "flags", "samples_per_s"),
-    *("timed_epochs", "gpu_util_pct", "status", "wall_s"),
+    *("timed_epochs", "gpu_util_pct", "status", "wall_s", "copies"),
 ]
 BENCHMARK = REPO / "part4_torchrun" / "tools" / "benchmark.py"
 

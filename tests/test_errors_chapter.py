@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import test_readme as readme_checks
 from conftest import PYTHON, REPO, TORCHRUN, Run, launch
 
 CHAPTER = "part4_torchrun/errors"
@@ -291,10 +290,3 @@ def test_every_quoted_output_comes_from_a_run(runs: dict[str, Run]) -> None:
     ]
     missing = [piece for piece in pieces if len(piece) >= 12 and piece not in everything]
     assert not missing, f"quoted on the page, printed by no run: {missing}"
-
-
-def test_readme_links_commands_and_excerpts() -> None:
-    # The checks every top-level README gets (tests/test_readme.py), on this page.
-    readme_checks.test_named_files_and_links_exist(README)
-    readme_checks.test_command_flags_exist(README)
-    readme_checks.test_diff_excerpts_match_the_scripts(README)

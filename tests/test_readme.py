@@ -106,22 +106,30 @@ def test_command_flags_exist(readme: Path) -> None:
 
 @pytest.mark.parametrize("readme", README_FILES, ids=str)
 def test_diff_excerpts_match_the_scripts(readme: Path) -> None:
-    """Each line of a ```diff excerpt is a line of the folder's scripts: an added line of one
-    of them, or a removed line of the script before it. A README that walks an old diff fails."""
+    """Each ```diff excerpt is a piece of one real diff: its removed lines are lines of a step's
+    script before, its added lines lines of the step's own (tests/course_steps.py), or both are
+    lines of one script (a chapter's script and its --fix branch). A README that walks an old
+    diff, or mixes two, fails."""
     text = (REPO / readme).read_text()
     blocks = re.findall(r"^```diff\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
-    scripts = {
-        line.rstrip()
-        for path in [*(REPO / readme).parent.glob("*.py"), *REPO.glob("part*/**/*.py")]
-        for line in path.read_text().splitlines()
-    }
-    stale = [
-        line
-        for block in blocks
-        for line in block.splitlines()
-        if line[:1] in "+-" and line[1:].rstrip() and line[1:].rstrip() not in scripts
-    ]
-    assert not stale, f"{readme}: diff lines found in no script:\n" + "\n".join(stale)
+    folder = (REPO / readme).parent
+    paths = {*folder.glob("*.py"), *REPO.glob("part*/**/*.py"), *REPO.glob("[es]*s/*.py")}
+    lines = {p.relative_to(REPO).as_posix(): p.read_text().splitlines() for p in paths}
+    lines = {name: {line.rstrip() for line in got} for name, got in lines.items()}
+    # the course's steps; any two scripts of the README's own folder (a chapter's steps); one
+    # script against itself (a --fix branch)
+    here = sorted(p.relative_to(REPO).as_posix() for p in folder.glob("*.py"))
+    pairs = [(s.before, s.script) for s in STEPS if s.before]
+    pairs += [(a, b) for a in here for b in here] + [(n, n) for n in lines]
+    for block in blocks:
+        removed, added = (
+            {line[1:].rstrip() for line in block.splitlines() if line[:1] == sign} - {""}
+            for sign in "-+"
+        )
+        assert any(
+            removed <= lines.get(before, set()) and added <= lines.get(after, set())
+            for before, after in pairs
+        ), f"{readme}: this diff is no step's and no script's:\n{block}"
 
 
 def test_course_map_lists_the_steps() -> None:

@@ -6,7 +6,9 @@ loader workers, then with one speed flag at a time (--precision bf16 or fp16, --
 --compile, --workers 4), then with all of them (its defaults on a GPU). The "parts" suite times
 every script of the course as written; "scaling" times DDP under torchrun at 1..--max-procs
 ranks, on resnet18 (32x32 fake images) and on the
-MNIST CNN (solutions/mnist_classify_ddp_torchrun.py, real digits).
+MNIST CNN (solutions/mnist_classify_ddp_torchrun.py, real digits), beside n copies of the
+1-rank run started side by side (no communication: what the machine itself gives n processes),
+and the world-of-one overhead (part 4 under python and torchrun against part 1).
 
 It launches the real scripts, never a copy of their loop: --warmup untimed epochs (start-up,
 allocator, torch.compile), then --repeats timed epochs, of which it keeps the median of the
@@ -77,7 +79,7 @@ MNIST_FLAGS = ("--workers", "0")
 FIELDS = [
     *("suite", "label", "workload", "script", "launcher", "world_size", "threads"),
     *("threads_seen", "batch_per_process", "global_batch", "flags", "samples_per_s"),
-    *("timed_epochs", "gpu_util_pct", "status", "wall_s"),
+    *("timed_epochs", "gpu_util_pct", "status", "wall_s", "copies"),
 ]
 RATE = re.compile(r"^epoch \d+/\d+ .* samples/s=(?P<rate>[\d.]+) epoch_s=[\d.]+$", re.M)
 THREADS = re.compile(r"threads=(\d+)")
@@ -100,11 +102,13 @@ class Config:
     # per process
     batch: int
     flags: tuple[str, ...] = ()
+    # the same launch, this many at once, side by side: their samples/s add up
+    copies: int = 1
     result: dict = field(default_factory=dict)
 
     def key(self) -> tuple:
         what = (self.workload, self.script, self.launcher, self.world_size, self.threads)
-        return (*what, self.batch, self.flags)
+        return (*what, self.batch, self.flags, self.copies)
 
 
 def parse_args() -> argparse.Namespace:
@@ -166,9 +170,17 @@ def plan(args: argparse.Namespace) -> list[Config]:
             (model, PART4, b, ()),
             ("mnist", MNIST_SCRIPT, args.mnist_batch_size, MNIST_FLAGS),
         ]
+        # the world of one: DDP and the launcher against part 1's plain loop
+        add("parts", "part1 python n=1", model, PART1, "python", 1, "default", b)
+        add("parts", "part4 python n=1", model, PART4, "python", 1, "default", b)
+        add("parts", "part4 torchrun n=1", model, PART4, "torchrun", 1, "default", b)
         for workload, script, batch, flags in workloads:
             run = (workload, script, "torchrun")
             for n in sizes:
+                if n > 1:
+                    # n independent 1-rank runs at once: the machine's share, no all-reduce
+                    label = f"{workload} {n} x torchrun n=1 t=1 side by side"
+                    add("scaling", label, *run, 1, "1", batch, flags, copies=n)
                 for t in sorted({"1", str(max(1, CORES // n)), str(CORES)}):
                     label = f"{workload} torchrun n={n} t={t} weak"
                     add("scaling", label, *run, n, t, batch, flags)
@@ -248,34 +260,36 @@ class GpuSampler:
 def measure(config: Config, args: argparse.Namespace) -> dict:
     cmd = command(config, args)
     started, sampler = time.perf_counter(), GpuSampler()
-    process = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=environment(config),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    kw = dict(cwd=REPO, env=environment(config), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    processes = [
+        subprocess.Popen(cmd, text=True, start_new_session=True, **kw) for _ in range(config.copies)
+    ]
+    outputs, codes = [], []
     try:
-        stdout, stderr = process.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        # the launcher and every rank it started
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        process.returncode = "timeout"
-    except BaseException:
-        # Ctrl-C or kill: take the launch's processes along
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
+        for process in processes:
+            left = max(1.0, args.timeout - (time.perf_counter() - started))
+            outputs.append(process.communicate(timeout=left))
+            codes.append(process.returncode)
+    except BaseException as error:
+        # a timeout, Ctrl-C or kill: the launchers and every rank they started
+        for process in processes:
+            os.killpg(process.pid, signal.SIGKILL)
+        if not isinstance(error, subprocess.TimeoutExpired):
+            raise
+        outputs = [process.communicate() for process in processes]
+        codes = ["timeout"]
     wall, gpu = time.perf_counter() - started, sampler.busy_percent()
-    rates = [float(m["rate"]) for m in RATE.finditer(stdout)][args.warmup :]
+    stdout, stderr = "\n".join(o for o, _ in outputs), "\n".join(e for _, e in outputs)
+    # each copy's timed epochs; side by side, their medians add up
+    per_copy = [[float(m["rate"]) for m in RATE.finditer(o)][args.warmup :] for o, _ in outputs]
+    rates = [r for copy in per_copy for r in copy]
     seen = THREADS.search(stdout)
-    ok = process.returncode == 0 and len(rates) == args.repeats
+    ok = set(codes) == {0} and all(len(copy) == args.repeats for copy in per_copy)
     if not ok:
         log(f"FAILED {config.label}: $ {' '.join(cmd)}\n{stderr.strip()[-1500:]}")
+    total = sum(statistics.median(copy) for copy in per_copy) if ok else 0
     return {
-        "samples_per_s": round(statistics.median(rates), 2) if ok else "",
+        "samples_per_s": round(total, 2) if ok else "",
         "timed_epochs": ";".join(f"{r:g}" for r in rates),
         "threads_seen": seen[1] if seen else "",
         "gpu_util_pct": gpu,
@@ -293,6 +307,7 @@ def row(c: Config) -> dict:
 
 
 def rate(configs: list[Config], **want) -> float | None:
+    want.setdefault("copies", 1)
     for c in configs:
         if all(getattr(c, k) == v for k, v in want.items()) and c.result.get("status") == "ok":
             return c.result["samples_per_s"]
@@ -326,8 +341,12 @@ def ratios(configs: list[Config], args: argparse.Namespace) -> list[tuple[str, s
             strong = rate(configs, **at, world_size=n, threads="1", batch=batch // n)
             over = rate(configs, **at, world_size=n, threads=str(CORES), batch=batch)
             head = f"{workload} n={n}"
+            side = rate(configs, **at, world_size=1, threads="1", batch=batch, copies=n)
             out += [
                 (f"{head} weak scaling vs n=1, 1 thread per rank", pct(weak, one, n), goal),
+                # what the machine gives n processes that never talk: DDP cannot beat it
+                (f"{head} side by side (no all-reduce) vs n=1", pct(side, one, n), ""),
+                (f"{head} weak scaling vs side by side (DDP's own cost)", pct(weak, side), ""),
                 (f"{head} strong scaling vs n=1, 1 thread per rank", pct(strong, one, n), ""),
                 (f"{head} x {CORES} threads (oversubscribed) vs n=1", pct(over, full, n), ""),
                 (f"{head} x 1 thread vs n=1 x {CORES} threads (speed-up)", pct(weak, full), ""),
@@ -397,6 +416,15 @@ def write_outputs(configs: list[Config], lines: list, args: argparse.Namespace, 
     plot(configs, args, out / "results.png")
 
 
+def scaling_rate(done: list[Config], workload: str, batch: int, kind: str, n: int):
+    """samples/s of n ranks under torchrun, 1 thread each (weak: each with `batch`; strong:
+    `batch` split over them), or of n 1-rank runs at once (side by side); at n=1, one run."""
+    at = dict(workload=workload, launcher="torchrun", threads="1")
+    if kind == "side by side":
+        return rate(done, **at, world_size=1, batch=batch, copies=n)
+    return rate(done, **at, world_size=n, batch=batch // n if kind == "strong" else batch)
+
+
 def plot(configs: list[Config], args: argparse.Namespace, path: Path) -> None:
     import matplotlib
 
@@ -414,15 +442,11 @@ def plot(configs: list[Config], args: argparse.Namespace, path: Path) -> None:
     bars.set_xscale("log")
     bars.set_xlabel("samples/s (median of timed epochs, log scale)")
     bars.tick_params(axis="y", labelsize=7)
+    sizes = range(1, args.max_procs + 1)
     for workload in [args.model, "mnist"]:
         batch = args.batch_size if workload != "mnist" else args.mnist_batch_size
-        for kind, split in [("weak", False), ("strong", True)]:
-            at = dict(workload=workload, launcher="torchrun", threads="1")
-            sizes = range(1, args.max_procs + 1)
-            points = [
-                (n, rate(done, **at, world_size=n, batch=batch // n if split else batch))
-                for n in sizes
-            ]
+        for kind in ["weak", "strong", "side by side"]:
+            points = [(n, scaling_rate(done, workload, batch, kind, n)) for n in sizes]
             points = [(n, r) for n, r in points if r]
             if len(points) > 1 and points[0][0] == 1:
                 speedup = [r / points[0][1] for _, r in points]
