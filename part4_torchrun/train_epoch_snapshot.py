@@ -165,10 +165,10 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 
 
 def save_snapshot(path: str, state: dict) -> None:
-    # step 7: each object's state and the RNG's, to a temporary file, renamed:
-    # a crash leaves no half file (a power cut also needs os.fsync first)
+    # step 7: each object's state (no RNG: each epoch reseeds), to a temporary
+    # file, renamed: a crash leaves no half file (a power cut needs os.fsync)
     snapshot = {name: obj.state_dict() for name, obj in state.items()}
-    torch.save(dict(snapshot, rng=torch.get_rng_state()), path + ".tmp")
+    torch.save(snapshot, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
@@ -220,15 +220,16 @@ def main(args: argparse.Namespace) -> None:  # step 6
         saved = torch.load(args.snapshot, map_location="cpu")
         for name, obj in state.items():
             obj.load_state_dict(saved[name])
-        torch.set_rng_state(saved["rng"])
     start_epoch = scheduler.last_epoch  # step 7: it counts the epochs done
     if os.path.exists(args.snapshot) and rank == 0:
         done = f"{start_epoch} of {args.epochs} epochs done"
         log(f"resumed from {args.snapshot}: {done}")
 
     for epoch in range(start_epoch, args.epochs):  # step 7
-        # step 3: a new shuffle every epoch, else epoch 0's order
+        # step 3: a new shuffle every epoch, else epoch 0's order; and each
+        # rank its own crops and flips; the weights stay those DDP broadcast
         sampler.set_epoch(epoch)
+        torch.manual_seed(hash((args.seed, rank, epoch)))
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
         totals = train_one_epoch(

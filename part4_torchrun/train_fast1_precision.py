@@ -220,8 +220,10 @@ def main(args: argparse.Namespace) -> None:  # step 6
     fp = argparse.Namespace(autocast=autocast, scaler=scaler)
 
     for epoch in range(args.epochs):
-        # step 3: a new shuffle every epoch, else epoch 0's order
+        # step 3: a new shuffle every epoch, else epoch 0's order; and each
+        # rank its own crops and flips; the weights stay those DDP broadcast
         sampler.set_epoch(epoch)
+        torch.manual_seed(hash((args.seed, rank, epoch)))
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
         totals = train_one_epoch(  # speed 1: with fp's autocast and scaler

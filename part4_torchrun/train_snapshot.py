@@ -173,12 +173,15 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 
 
 def save_snapshot(path: str, state: dict, every=1, step=0) -> None:
+    rngs = [None] * dist.get_world_size()  # step 8: mid-epoch, each rank's RNG
+    if step and not step % every:
+        dist.all_gather_object(rngs, torch.get_rng_state())
     if dist.get_rank() or step % every:  # step 8: rank 0, every `every` steps
         return
-    # step 7: each object's state and the RNG's, to a temporary file, renamed:
-    # a crash leaves no half file (a power cut also needs os.fsync first)
+    # step 7: each object's state (no RNG: each epoch reseeds), to a temporary
+    # file, renamed: a crash leaves no half file (a power cut needs os.fsync)
     snapshot = {name: obj.state_dict() for name, obj in state.items()}
-    snapshot.update(rng=torch.get_rng_state(), step=step)  # step 8
+    snapshot.update(rng=rngs, step=step)  # step 8
     torch.save(snapshot, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -213,9 +216,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
     # step 3: each rank trains on its shard and scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
-    # step 8: a loader that saves its place; with a generator of its own, the
-    # RNG in the snapshot serves the random crops and flips alone
-    train_loader = StatefulDataLoader(
+    train_loader = StatefulDataLoader(  # step 8: saves its place, own generator
         train_set, args.batch_size, sampler=sampler, generator=torch.Generator()
     )
     test_loader = DataLoader(test_set, args.batch_size)
@@ -234,12 +235,10 @@ def main(args: argparse.Namespace) -> None:  # step 6
     state["loader"], first_step = train_loader, 0  # step 8
     if os.path.exists(args.snapshot):
         saved = torch.load(args.snapshot, map_location="cpu")
-        # step 8: the steps done in the epoch; at 0 the loader starts it afresh
-        first_step = saved["step"]
+        first_step = saved["step"]  # step 8: the steps done in the epoch
         for name, obj in state.items():
-            if name != "loader" or first_step:  # step 8
+            if name != "loader" or first_step:  # step 8: at 0, a new loader
                 obj.load_state_dict(saved[name])
-        torch.set_rng_state(saved["rng"])
     start_epoch = scheduler.last_epoch  # step 7: it counts the epochs done
     if os.path.exists(args.snapshot) and rank == 0:
         done = f"{start_epoch} of {args.epochs} epochs, {first_step} steps done"
@@ -249,8 +248,12 @@ def main(args: argparse.Namespace) -> None:  # step 6
     per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
     save = partial(save_snapshot, args.snapshot, state, args.snapshot_every)
     for epoch in range(start_epoch, args.epochs):  # step 7
-        # step 3: a new shuffle every epoch, else epoch 0's order
+        # step 3: a new shuffle every epoch, else epoch 0's order; and each
+        # rank its own crops and flips; the weights stay those DDP broadcast
         sampler.set_epoch(epoch)
+        torch.manual_seed(hash((args.seed, rank, epoch)))
+        if first_step:  # step 8: resumed mid-epoch: this rank's RNG, as saved
+            torch.set_rng_state(saved["rng"][rank])
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
         steps, first_step = range(first_step, per_epoch), 0

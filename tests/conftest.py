@@ -247,6 +247,25 @@ class Probe:
 
         return torch.load(self.directory / f"{pid}.params.pt", weights_only=True)
 
+    def assert_own_crops(self, world_size: int) -> None:
+        """Each rank drew its own crops and flips, from equal weights (a run with
+        DDP_PROBE_FIRST_STEP=1). The augmentation draws from torch's generator: after the first
+        batch it stands in another state on every rank (one seed for all: the same state, the
+        same crops). The weights of the first step are equal: DDP broadcast rank 0's."""
+        import torch
+
+        first = {
+            e["rank"]: torch.load(self.directory / f"{e['pid']}.first_step.pt", weights_only=True)
+            for e in self.events("first_step")
+        }
+        assert sorted(first) == list(range(world_size)), "one first step per rank"
+        for rank in range(1, world_size):
+            assert not torch.equal(first[0]["rng"], first[rank]["rng"]), (
+                f"ranks 0 and {rank} drew from the same random state: the same crops and flips"
+            )
+            pairs = zip(first[0]["params"], first[rank]["params"], strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs), f"rank {rank} began with other weights"
+
 
 @pytest.fixture
 def probe_dir(tmp_path: Path) -> Path:

@@ -32,6 +32,7 @@ class Claim(Enum):
     IN_SYNC = "the ranks' weights are equal after training"
     PREFIXED = "the wrapped model's checkpoint keys carry 'module.'"
     SHARDS = "the ranks' shards cover the data once per epoch, reshuffled every epoch"
+    OWN_CROPS = "each rank draws its own crops and flips, from equal initial weights"
     NO_PREFIX = "the checkpoint has no 'module.' and holds the trained weights"
     RELEASED = "every process releases its group before it exits"
     OMP_KEPT = "under torchrun each worker keeps OMP_NUM_THREADS=1"
@@ -137,10 +138,13 @@ STEPS = [
         "step 3",
         "python",
         "a shard per rank, `set_epoch`, global metrics",
-        ("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset(", "model.module"),
-        17,
+        (
+            *("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset("),
+            *("model.module", "manual_seed("),
+        ),
+        19,
         **SPINE,
-        claims=(*SPAWNED, Claim.SHARDS, Claim.IN_SYNC, Claim.PREFIXED),
+        claims=(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
     ),
     Step(
         "4",
@@ -153,7 +157,7 @@ STEPS = [
         17,
         **SPINE,
         checks_gpus=True,
-        claims=(*SPAWNED, Claim.SHARDS, Claim.IN_SYNC, Claim.PREFIXED),
+        claims=(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
     ),
     Step(
         "5",
@@ -166,7 +170,10 @@ STEPS = [
         6,
         **SPINE,
         checks_gpus=True,
-        claims=(*SPAWNED, Claim.SHARDS, Claim.IN_SYNC, Claim.NO_PREFIX, Claim.BARE_LOAD),
+        claims=(
+            *(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.NO_PREFIX),
+            Claim.BARE_LOAD,
+        ),
     ),
     Step(
         "6",
@@ -180,8 +187,8 @@ STEPS = [
         **SPINE,
         checks_gpus=True,
         claims=(
-            *(*IN_A_GROUP, Claim.OMP_KEPT, Claim.SHARDS, Claim.IN_SYNC, Claim.NO_PREFIX),
-            *(Claim.BARE_LOAD, Claim.ALONE),
+            *(*IN_A_GROUP, Claim.OMP_KEPT, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC),
+            *(Claim.NO_PREFIX, Claim.BARE_LOAD, Claim.ALONE),
         ),
     ),
     Step(
@@ -224,8 +231,8 @@ STEPS = [
         "step 7",
         "torchrun",
         "a snapshot every epoch; a restart resumes",
-        ("os.replace(", "load_state_dict(", "set_rng_state(", "range(start_epoch"),
-        30,
+        ("os.replace(", "load_state_dict(", "range(start_epoch"),
+        29,
         checks_gpus=True,
     ),
     Step(
@@ -235,7 +242,10 @@ STEPS = [
         "step 8",
         "torchrun",
         "exact resume mid-epoch: the loader's place, every N steps",
-        ("StatefulDataLoader(", "--snapshot-every", "first_step", "generator="),
+        (
+            *("StatefulDataLoader(", "--snapshot-every", "first_step", "generator="),
+            *("all_gather_object(", "set_rng_state("),
+        ),
         47,
         checks_gpus=True,
     ),

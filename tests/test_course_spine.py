@@ -88,6 +88,8 @@ def quick_run(step: Step, folder: Path, launcher: str | None = None) -> QuickRun
             command, env = [PYTHON, *args, "--nprocs", str(WORLD_SIZE)], {"MASTER_PORT": port}
         else:
             command, env = [PYTHON, *args], {}
+        if Claim.OWN_CROPS in step.claims:  # the probe keeps each rank's first step
+            env = {**env, "DDP_PROBE_FIRST_STEP": "1"}
         run = launch(command, timeout=LAUNCH_TIMEOUT, probe_dir=probe_dir, env=env)
     QUICK_RUNS[step.script] = QuickRun(
         step, launcher, run, checkpoint, Probe.read(probe_dir), folder
@@ -223,6 +225,11 @@ def shards(q: QuickRun) -> None:
     first, second = q.probe.indices(0, epoch=0), q.probe.indices(0, epoch=1)
     assert first != second, "rank 0 drew the same order in epochs 0 and 1: set_epoch is not called"
     assert set(first) != set(second), "shuffling should move samples across ranks between epochs"
+
+
+@check(Claim.OWN_CROPS)
+def own_crops(q: QuickRun) -> None:
+    q.probe.assert_own_crops(WORLD_SIZE)
 
 
 @check(Claim.NO_PREFIX)

@@ -169,8 +169,7 @@ def sharded_state(model, optimizer, scheduler) -> dict:
     # FSDP2: weights and momentum as DTensors, this rank's shards only; DCP
     # calls the schedule's state_dict() and load_state_dict() itself
     model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
-    rng = torch.get_rng_state()
-    return dict(model=model_state, optim=optim_state, sched=scheduler, rng=rng)
+    return dict(model=model_state, optim=optim_state, sched=scheduler)
 
 
 def load_sharded(folder: str, model, optimizer, scheduler) -> int:
@@ -189,7 +188,6 @@ def load_sharded(folder: str, model, optimizer, scheduler) -> int:
         sys.exit(f"error: cannot resume from {path}: {reason}")
     dcp_state.set_model_state_dict(model, state["model"])
     dcp_state.set_optimizer_state_dict(model, optimizer, state["optim"])
-    torch.set_rng_state(state["rng"])
     if dist.get_rank() == 0:
         log(f"resumed from {path} on {dist.get_world_size()} rank(s)")
     return max(done)
@@ -248,8 +246,10 @@ def main(args: argparse.Namespace) -> None:  # step 6
         start_epoch = load_sharded(args.sharded, model, optimizer, scheduler)
 
     for epoch in range(start_epoch, args.epochs):
-        # step 3: a new shuffle every epoch, else epoch 0's order
+        # step 3: a new shuffle every epoch, else epoch 0's order; and each
+        # rank its own crops and flips; the weights stay those DDP broadcast
         sampler.set_epoch(epoch)
+        torch.manual_seed(hash((args.seed, rank, epoch)))
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
         totals = train_one_epoch(

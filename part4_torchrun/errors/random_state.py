@@ -1,7 +1,7 @@
 """Random state per rank: the same seed gives every rank the same crops.
 
 Every rank calls torch.manual_seed(seed) with the same seed, as the course's
-training scripts do: the model starts the same everywhere, as wanted. But
+scripts do up to part 3's step 2: the model starts the same everywhere. But
 the random augmentation draws from the same generator afterwards, so the
 k-th sample of every rank's batch gets the same flip and the same crop
 offset: the ranks hold different images, augmented in lockstep. No error,

@@ -24,7 +24,9 @@ and "time". The events:
               seed, shuffle, num_replicas, rank, drop_last: those it has)
 - collective  {name, file, line}     when the script calls a torch.distributed collective
               (recorded before the call, so a call that never returns is recorded too)
-- save        {path}                 every torch.save, the probe's own files excluded
+- save        {path}                 every torch.save to a file, the probe's own files excluded
+              (not into memory: pickling a tensor, as all_gather_object does, saves into a
+              buffer)
 - load        {path}                 every torch.load, recorded before the read (so a read of
               a file that is not there yet is recorded too)
 - final       {threads}              at destroy_process_group; the parameters of the first
@@ -58,8 +60,8 @@ Faults, injected when a test asks for them:
   known step. They record `killed` / `raised` / `paused` first.
 - DDP_PROBE_CRASH_AT_REPLACE = N: SIGKILL at the process's N-th os.replace call, after the
   temporary file was written and before it is renamed; records `crashed` {source} first.
-- DDP_PROBE_SAVE_DELAY_S = S: every torch.save waits S seconds before it writes, as a slow
-  disk would: a read that is not ordered after the write then loses the race every time.
+- DDP_PROBE_SAVE_DELAY_S = S: every torch.save to a file waits S seconds before it writes, as a
+  slow disk would: a read that is not ordered after the write then loses the race every time.
 """
 
 import atexit
@@ -264,8 +266,9 @@ def record_checkpoint_files() -> None:
         return os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else repr(f)
 
     def save(obj, f, *args, **kwargs):
-        record("save", path=where(f))
-        time.sleep(delay)
+        if isinstance(f, (str, os.PathLike)):
+            record("save", path=where(f))
+            time.sleep(delay)
         return original_save(obj, f, *args, **kwargs)
 
     def load(f, *args, **kwargs):
