@@ -330,14 +330,16 @@ def pytest_configure(config: pytest.Config) -> None:
 def work_unit(nodeid: str) -> str:
     """Tests that share a costly set-up run in one unit, on one worker: test_failures.py's
     snapshot runs serve two of its tests, test_errors_chapter.py's launches all of its tests,
-    test_beyond_ddp.py's FSDP2 run its FSDP2 and notebook tests, and each worker that runs Slurm
+    test_beyond_ddp.py's two runs in turn serve all of its tests, and each worker that runs Slurm
     tests starts a cluster of its own, so test_slurm.py's tests go in two units, those on one
     node and those on two (named so). Every other test is a unit of its own."""
     file, _, name = nodeid.partition("::")
-    if file in ("tests/test_failures.py", "tests/test_errors_chapter.py"):
+    if file in (
+        "tests/test_failures.py",
+        "tests/test_errors_chapter.py",
+        "tests/test_beyond_ddp.py",
+    ):
         return file
-    if file == "tests/test_beyond_ddp.py" and ("fsdp2" in name or "notebook" in name):
-        return f"{file}::fsdp2"
     if file == "tests/test_slurm.py" and "without_slurm" not in name:
         return f"{file}::{'two nodes' if 'two_node' in name else 'one node'}"
     return nodeid

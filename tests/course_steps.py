@@ -58,6 +58,12 @@ class Step:
     checks_gpus: bool = False  # refuses more processes per node than GPUs (step 4 on)
     claims: tuple[Claim, ...] = ()
 
+    @property
+    def pair(self) -> tuple[str, str]:
+        """The two scripts of its diff: the one before, then this one."""
+        assert self.before, f"{self.script} is a base: no diff"
+        return self.before, self.script
+
 
 PART1 = "part1_single/train.py"
 STEP1 = "part3_ddp/step1_process_group.py"
@@ -251,3 +257,82 @@ STEPS = [
     ),
 ]
 BY_LABEL = {s.label: s for s in STEPS}
+
+# ---- a chapter after the course: part4_torchrun/beyond_ddp/ -------------------------------------
+# Its steps follow the same diff contract as the course's (test_diff_contract.py reads both
+# lists); they are not rows of the course map. Steps 1 to 4 build DDP by hand on a small MLP (step
+# 1, the chapter's own base, is read whole); steps 5 to 7 take part 4's train.py to FSDP2.
+BEYOND = "part4_torchrun/beyond_ddp"
+BEYOND_README = f"{BEYOND}/README.md"
+BY_HAND1 = f"{BEYOND}/step1_by_hand.py"
+BY_HAND2 = f"{BEYOND}/step2_buckets.py"
+BY_HAND3 = f"{BEYOND}/step3_hooks.py"
+ZERO1 = f"{BEYOND}/step4_zero1.py"
+FSDP2 = f"{BEYOND}/step5_fsdp2.py"
+FSDP2_MEMORY = f"{BEYOND}/step6_memory.py"
+FSDP2_DCP = f"{BEYOND}/step7_dcp.py"
+CHAPTER = {"launcher": "torchrun", "max_lines": AFTER_SPINE_LINES}
+
+BEYOND_STEPS = [
+    Step("beyond 1", BY_HAND1, None, "by hand 1", teaches="DDP by hand, naive", **CHAPTER),
+    Step(
+        "beyond 2",
+        BY_HAND2,
+        BY_HAND1,
+        "by hand 2",
+        teaches="buckets, all-reduced after backward()",
+        apis=("Buckets(", "torch.cat(", "dist.all_reduce(flat)", "--bucket-mb"),
+        budget=30,
+        **CHAPTER,
+    ),
+    Step(
+        "beyond 3",
+        BY_HAND3,
+        BY_HAND2,
+        "by hand 3",
+        teaches="sent from gradient hooks, asynchronously, waited for before the step",
+        apis=("register_post_accumulate_grad_hook", "async_op=True", "work.wait()", "self.sent"),
+        budget=28,
+        **CHAPTER,
+    ),
+    Step(
+        "beyond 4",
+        ZERO1,
+        BY_HAND3,
+        "by hand 4",
+        teaches="ZeRO-1: optimizer state sharded",
+        apis=("all_gather_into_tensor(", "torch.optim.Adam([shard]"),
+        budget=27,
+        **CHAPTER,
+    ),
+    Step(
+        "beyond 5",
+        FSDP2,
+        STEP6,
+        "FSDP2",
+        teaches="`fully_shard` in DDP's place; the whole weights gathered to save",
+        apis=("fully_shard(", "init_device_mesh(", "get_model_state_dict(", "evaluate(model,"),
+        budget=30,
+        **CHAPTER,
+    ),
+    Step(
+        "beyond 6",
+        FSDP2_MEMORY,
+        FSDP2,
+        "FSDP2",
+        teaches="what each rank holds: its shards",
+        apis=("to_local()",),
+        budget=7,
+        **CHAPTER,
+    ),
+    Step(
+        "beyond 7",
+        FSDP2_DCP,
+        FSDP2_MEMORY,
+        "FSDP2",
+        teaches="sharded checkpoints (DCP), resumed on any number of ranks",
+        apis=("dcp.save(", "dcp.load(", "--sharded", "--resume", "scheduler.last_epoch"),
+        budget=30,
+        **CHAPTER,
+    ),
+]

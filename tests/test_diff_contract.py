@@ -1,5 +1,6 @@
 """The diff contract: `diff -u` between consecutive teaching scripts shows one step and nothing
-else, and fits on a projector. No launches here: this file runs in about a second."""
+else, and fits on a projector: the course's steps and those of its beyond-DDP chapter. No
+launches here: this file runs in about a second."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import difflib
 
 import pytest
 from conftest import REPO
-from course_steps import MAX_WIDTH, STEPS, Step
+from course_steps import BEYOND_STEPS, MAX_WIDTH, STEPS, Step
 
-DIFFS = [s for s in STEPS if s.before]
-TEACHING_SCRIPTS = [s.script for s in STEPS]
+ALL_STEPS = [*STEPS, *BEYOND_STEPS]
+DIFFS = [s for s in ALL_STEPS if s.before]
 MAX_FLAGS = 11  # the mp.spawn steps: part 1's ten and --nprocs
 
 
@@ -51,13 +52,14 @@ def test_each_diff_shows_its_step_and_nothing_else(step: Step) -> None:
     assert changed <= step.budget, f"{step.tag} changes {changed} lines, budget {step.budget}"
 
 
-def test_diffs_open_on_code() -> None:
-    """Every teaching script has the same module docstring, so no diff opens on prose."""
-    docstrings = {ast.get_docstring(ast.parse((REPO / s).read_text())) for s in TEACHING_SCRIPTS}
-    assert len(docstrings) == 1, docstrings
+@pytest.mark.parametrize("step", DIFFS, ids=lambda s: s.script)
+def test_diffs_open_on_code(step: Step) -> None:
+    """A step has the module docstring of the script before it, so no diff opens on prose."""
+    before, after = (ast.get_docstring(ast.parse((REPO / p).read_text())) for p in step.pair)
+    assert before == after, f"{step.script}: another docstring than {step.before}'s"
 
 
-@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.script)
+@pytest.mark.parametrize("step", ALL_STEPS, ids=lambda s: s.script)
 def test_teaching_scripts_are_standalone_and_short(step: Step) -> None:
     script = step.script
     text = (REPO / script).read_text()
@@ -82,14 +84,15 @@ def test_teaching_scripts_are_standalone_and_short(step: Step) -> None:
         assert flags <= MAX_FLAGS, f"{script}: {flags} flags, at most {MAX_FLAGS}"
 
 
-def test_scripts_share_function_order() -> None:
-    """Same functions in the same order, so a diff never shows a function that merely moved."""
+@pytest.mark.parametrize("step", DIFFS, ids=lambda s: s.script)
+def test_scripts_share_function_order(step: Step) -> None:
+    """A step keeps the functions of the script before it, in their order, so a diff never
+    shows a function that merely moved."""
 
     def functions(path: str) -> list[str]:
         tree = ast.parse((REPO / path).read_text())
         return [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
 
-    base = functions(STEPS[0].script)
-    for script in TEACHING_SCRIPTS:
-        present = [name for name in functions(script) if name in base]
-        assert present == base, f"{script}: part 1's functions missing or reordered: {present}"
+    base = functions(step.before)
+    present = [name for name in functions(step.script) if name in base]
+    assert present == base, f"{step.script}: {step.before}'s functions missing or moved: {present}"

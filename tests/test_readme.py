@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from course_steps import STEPS
+from course_steps import BEYOND_README, BEYOND_STEPS, STEPS
+from test_diff_contract import hunks
 
 README_FILES = sorted(
     p.relative_to(REPO)
@@ -119,7 +120,7 @@ def test_diff_excerpts_match_the_scripts(readme: Path) -> None:
     # the course's steps; any two scripts of the README's own folder (a chapter's steps); one
     # script against itself (a --fix branch)
     here = sorted(p.relative_to(REPO).as_posix() for p in folder.glob("*.py"))
-    pairs = [(s.before, s.script) for s in STEPS if s.before]
+    pairs = [(s.before, s.script) for s in [*STEPS, *BEYOND_STEPS] if s.before]
     pairs += [(a, b) for a in here for b in here] + [(n, n) for n in lines]
     for block in blocks:
         removed, added = (
@@ -167,3 +168,16 @@ def test_no_placeholder_on_any_page() -> None:
         if PLACEHOLDER.search(line)
     ]
     assert not found, "placeholders:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("step", [s for s in BEYOND_STEPS if s.before], ids=lambda s: s.script)
+def test_chapter_readme_walks_every_hunk(step) -> None:
+    """The beyond-DDP chapter's README quotes each hunk of each step's diff in a ```diff block
+    (at least one of its changed lines, as a + or - line), with its why around it."""
+    text = (REPO / BEYOND_README).read_text()
+    blocks = re.findall(r"^```diff\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    quoted = {line.rstrip() for block in blocks for line in block.splitlines() if line[:1] in "+-"}
+    for removed, added in hunks(step):
+        changed = [f"-{line}" for line in removed] + [f"+{line}" for line in added]
+        changed = [line.rstrip() for line in changed if line[1:].strip()]
+        assert not changed or set(changed) & quoted, f"{step.script}: a hunk not walked: {changed}"

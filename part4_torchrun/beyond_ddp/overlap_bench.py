@@ -1,4 +1,4 @@
-"""Does step 2's overlap pay? Time its training step three ways, in one run.
+"""Does step 3's overlap pay? Time its training step three ways, in one run.
 
     torchrun --standalone --nproc_per_node=2 \\
         part4_torchrun/beyond_ddp/overlap_bench.py --sizes 1,8,16,64
@@ -6,8 +6,8 @@
 Each step is timed whole (forward, backward, all-reduces, Adam's step), the
 variants in turns (in reverse order every other step) so that a change in the
 machine's load, or a cost one variant leaves to the next, hits them alike:
-- overlap: each bucket is sent as soon as its last gradient is in;
-- after: the same buckets, all sent once backward() has returned;
+- overlap: step 3's buckets, each sent as soon as its last gradient is in;
+- after: step 2's buckets, the same ones, all-reduced once backward() ends;
 - compute: no all-reduce at all (the ranks drift apart; only time counts).
 Rank 0 prints the median of each, after / overlap (the speedup) and the share
 of the exposed communication (after - compute) that overlapping hid. A size
@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from step2_buckets import Buckets, batch, build_model, log, start_group
+import step2_buckets
+import step3_hooks
+from step3_hooks import batch, build_model, log, start_group
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,8 +64,10 @@ def main(args: argparse.Namespace) -> None:
         for variant in list(seconds)[:: -1 if step % 2 else 1]:
             buckets = None
             if variant:
-                buckets = Buckets(model, variant[0], world_size, variant[1])
-                counts[variant[0]] = len(buckets.buckets)
+                mb, overlap = variant
+                kind = step3_hooks if overlap else step2_buckets
+                buckets = kind.Buckets(model, mb)
+                counts[mb] = len(buckets.buckets)
             images, labels = batch(args, step, rank, world_size, device)
             dist.barrier()
             start = time.perf_counter()
@@ -71,8 +75,10 @@ def main(args: argparse.Namespace) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if buckets:
-                buckets.wait()
-                buckets.remove()
+                buckets.average()
+                # step 3's hooks would fire in the next variant's backward()
+                for hook in getattr(buckets, "hooks", []):
+                    hook.remove()
             optimizer.step()
             if step:
                 seconds[variant].append(time.perf_counter() - start)

@@ -31,8 +31,6 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if min(args.steps, args.batch_size, args.width, args.depth) < 1:
         parser.error("--steps, --batch-size, --width and --depth must be >= 1")
-    if args.bucket_mb <= 0:
-        parser.error("--bucket-mb must be > 0")
     return args
 
 
@@ -79,60 +77,42 @@ def batch(args, step: int, rank: int, world_size: int, device) -> tuple:
 
 
 class Buckets:
-    """Gradients all-reduced in buckets, each sent once its last one is in."""
-
-    def __init__(self, model, bucket_mb: float, world_size: int, overlap=True):
-        self.world_size, self.overlap = world_size, overlap
-        # by hand 2: backward() computes the last layer's gradients first, so
-        # fill the buckets from the last parameter to the first
+    def __init__(self, model: nn.Module, bucket_mb: float):
+        # by hand 2: fill from the last parameter: backward()'s order
         self.buckets = [[]]
         for param in reversed(list(model.parameters())):
             size = sum(p.nbytes for p in self.buckets[-1]) + param.nbytes
             if self.buckets[-1] and size > bucket_mb * 2**20:
                 self.buckets.append([])
             self.buckets[-1].append(param)
-        self.bucket_of = {p: i for i, ps in enumerate(self.buckets) for p in ps}
-        self.reset()
-        # by hand 2: autograd calls the hook once the parameter's gradient is
-        # in param.grad, while backward() goes on to the layers before it
+        # by hand 3: autograd calls grad_ready(param) once param.grad is in,
+        # while backward() goes on to the layers before
+        self.bucket_of = {p: ps for ps in self.buckets for p in ps}
+        self.ready, self.sent = set(), []
         hook = torch.Tensor.register_post_accumulate_grad_hook
-        self.hooks = [hook(p, self.grad_ready) for p in model.parameters()]
-
-    def reset(self) -> None:
-        self.missing = [len(params) for params in self.buckets]
-        self.sent = [None] * len(self.buckets)
+        self.hooks = [hook(p, self.grad_ready) for p in self.bucket_of]
 
     def grad_ready(self, param: torch.Tensor) -> None:
-        i = self.bucket_of[param]
-        self.missing[i] -= 1
-        if self.missing[i] == 0 and self.overlap:
-            self.send(i)
+        self.ready.add(param)
+        params = self.bucket_of[param]
+        if self.ready.issuperset(params):
+            # by hand 3: the bucket is full: send it without waiting for the
+            # sum (async_op=True), and let backward() go on meanwhile
+            flat = torch.cat([p.grad.flatten() for p in params])
+            work = dist.all_reduce(flat, async_op=True)
+            self.sent.append((params, flat, work))
 
-    def send(self, i: int) -> None:
-        # by hand 2: one message per bucket, sent without waiting for it
-        # (async_op): backward() goes on while the backend sends it
-        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])
-        self.sent[i] = flat, dist.all_reduce(flat, async_op=True)
-
-    def wait(self) -> None:
-        # by hand 2: before optimizer.step(), wait for every bucket's sum and
-        # copy it back into the gradients, divided: the mean
-        for i, missing in enumerate(self.missing):
-            if missing:
-                raise RuntimeError(f"{missing} parameter(s) got no gradient")
-            if self.sent[i] is None:
-                self.send(i)
-        for params, (flat, work) in zip(self.buckets, self.sent, strict=True):
+    def average(self) -> None:
+        # by hand 3: before the step, wait for each bucket's sum
+        if len(self.ready) < len(self.bucket_of):
+            raise RuntimeError("a parameter got no gradient: see the README")
+        for params, flat, work in self.sent:
             work.wait()
-            sums = flat.split([p.numel() for p in params])
-            for param, grad_sum in zip(params, sums, strict=True):
-                param.grad.copy_(grad_sum.view_as(param))
-                param.grad /= self.world_size
-        self.reset()
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
+            flat /= dist.get_world_size()
+            means = flat.split([p.numel() for p in params])
+            for param, mean in zip(params, means, strict=True):
+                param.grad.copy_(mean.view_as(param))
+        self.ready, self.sent = set(), []
 
 
 def train_ddp(args, model, rank, world_size, device) -> torch.optim.Optimizer:
@@ -154,7 +134,7 @@ def train_by_hand(args, model, rank, world_size, device):
     # by hand 1: every rank starts from rank 0's weights
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-    # by hand 3: all weights as one flat vector, cut into world_size equal
+    # by hand 4: all weights as one flat vector, cut into world_size equal
     # shards (zeros pad the last one); this rank owns shard number `rank`
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
@@ -164,30 +144,29 @@ def train_by_hand(args, model, rank, world_size, device):
     torch.cat([p.detach().flatten() for p in params], out=flat[:total])
     mine = slice(rank * shard_size, (rank + 1) * shard_size)
     shard = flat[mine].clone().requires_grad_()
-    # by hand 3: Adam steps this shard only: its moments are 1/world_size
+    # by hand 4: Adam steps this shard only: its moments are 1/world_size
     optimizer = torch.optim.Adam([shard], lr=args.lr)
-    buckets = Buckets(model, args.bucket_mb, world_size)
+    buckets = Buckets(model, args.bucket_mb)
     for step in range(args.steps):
         images, labels = batch(args, step, rank, world_size, device)
         loss = F.cross_entropy(model(images), labels)
-        # by hand 3: the optimizer holds the shard, not the model's weights
+        # by hand 4: the optimizer holds the shard, not the model's weights
         model.zero_grad(set_to_none=True)
-        # by hand 2: the hooks send the buckets during backward()
         loss.backward()
-        buckets.wait()
-        # by hand 3: this rank's slice of the mean gradient steps its shard
+        # by hand 3: the hooks sent the buckets in backward(): wait for them
+        buckets.average()
+        # by hand 4: this rank's slice of the mean gradient steps its shard
         grads = torch.zeros_like(flat)
         torch.cat([p.grad.flatten() for p in params], out=grads[:total])
         shard.grad = grads[mine]
         optimizer.step()
-        # by hand 3: each rank sends its updated shard to all (all-gather):
+        # by hand 4: each rank sends its updated shard to all (all-gather):
         # every rank then holds all the new weights
         dist.all_gather_into_tensor(flat, shard.detach())
         new_weights = flat[:total].split(sizes)
         with torch.no_grad():
             for param, new in zip(params, new_weights, strict=True):
                 param.copy_(new.view_as(param))
-    buckets.remove()
     return optimizer, loss.detach()
 
 

@@ -10,11 +10,9 @@ from itertools import islice
 import timm
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state
 import torch.nn.functional as F
 import torchvision
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
@@ -44,15 +42,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint", default="checkpoint.pt", help="'': none"
     )
-    parser.add_argument("--sharded", default="", help="checkpoints' folder")
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
         parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
     if not timm.is_model(args.model):
         parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
-    folders = {os.path.dirname(p) or "." for p in [args.checkpoint] if p}
-    for folder in folders | {args.sharded} - {""}:  # FSDP2: and --sharded
+    for folder in {os.path.dirname(p) or "." for p in [args.checkpoint] if p}:
         try:
             os.makedirs(folder, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()
@@ -160,37 +156,9 @@ def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
     )
 
 
-def save_checkpoint(state_dict: dict, path: str) -> None:  # FSDP2
-    torch.save(state_dict, path)
+def save_checkpoint(model: torch.nn.Module, path: str) -> None:
+    torch.save(model.state_dict(), path)
     log(f"saved checkpoint {path}")
-
-
-def sharded_state(model, optimizer, scheduler) -> dict:
-    # FSDP2: weights and momentum as DTensors, this rank's shards only; DCP
-    # calls the schedule's state_dict() and load_state_dict() itself
-    model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
-    return dict(model=model_state, optim=optim_state, sched=scheduler)
-
-
-def load_sharded(folder: str, model, optimizer, scheduler) -> int:
-    # FSDP2: epochs done by the newest whole save (with .metadata), else 0
-    done = [int(n[6:]) for n in os.listdir(folder) if n.startswith("epoch_")]
-    done = [e for e in done if os.path.exists(f"{folder}/epoch_{e}/.metadata")]
-    if not done:
-        return 0
-    path = f"{folder}/epoch_{max(done)}"
-    state = sharded_state(model, optimizer, scheduler)
-    # FSDP2: each rank reads its own shards' pieces: DCP reshards on load
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except dcp.api.CheckpointException as error:
-        reason = next(iter(error.failures.values()))[0]
-        sys.exit(f"error: cannot resume from {path}: {reason}")
-    dcp_state.set_model_state_dict(model, state["model"])
-    dcp_state.set_optimizer_state_dict(model, optimizer, state["optim"])
-    if dist.get_rank() == 0:
-        log(f"resumed from {path} on {dist.get_world_size()} rank(s)")
-    return max(done)
 
 
 def main(args: argparse.Namespace) -> None:  # step 6
@@ -222,17 +190,15 @@ def main(args: argparse.Namespace) -> None:  # step 6
     train_set, test_set = build_datasets(args, download=False)
     # step 3: each rank trains on its shard and scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    # FSDP2: each forward gathers weights, a collective: every rank must
-    # score as many batches, so the last len % world_size images are left out
+    # FSDP2: each forward is a collective: all ranks score as many batches
     scored = len(test_set) // world_size * world_size
     test_set = Subset(test_set, range(rank, scored, world_size))
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, args.batch_size)
 
     model = build_model(args.model).to(device)
-    # FSDP2: each rank keeps 1/world_size of each weight; each top-level block
-    # is gathered whole just before it runs, and freed after
-    mesh = init_device_mesh(device.type, (world_size,))
+    # FSDP2: each rank keeps 1/world_size of every weight, gathered per block
+    mesh = dist.init_device_mesh(device.type, (world_size,))
     for block in [b for b in model.children() if list(b.parameters())]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -241,11 +207,8 @@ def main(args: argparse.Namespace) -> None:  # step 6
     )
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR
     scheduler = cosine(optimizer, T_max=args.epochs)
-    start_epoch = 0
-    if args.sharded:  # FSDP2: go on from the newest sharded checkpoint
-        start_epoch = load_sharded(args.sharded, model, optimizer, scheduler)
 
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(args.epochs):
         # step 3: a new shuffle every epoch, else epoch 0's order; and each
         # rank its own crops and flips; the weights stay those DDP broadcast
         sampler.set_epoch(epoch)
@@ -259,18 +222,12 @@ def main(args: argparse.Namespace) -> None:  # step 6
         # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
-        # FSDP2: BatchNorm's statistics, unsharded buffers: rank 0's, as in DDP
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
         test_sums = evaluate(model, test_loader, device, args.max_steps)
         dist.all_reduce(test_sums)  # step 3
         test = test_sums.tolist()
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-        if args.sharded:  # FSDP2: each rank writes its shards, none gathered
-            state = sharded_state(model, optimizer, scheduler)
-            dcp.save(state, checkpoint_id=f"{args.sharded}/epoch_{epoch + 1}")
 
     # FSDP2: bytes this rank holds: its shards of weights, grads, momentum
     params = list(model.parameters())
@@ -279,14 +236,14 @@ def main(args: argparse.Namespace) -> None:  # step 6
     held = [sum(t.to_local().nbytes for t in x) for x in (params, grads, bufs)]
     kinds = "params_bytes={} grads_bytes={} optimizer_bytes={}"
     log(f"memory rank={rank} " + kinds.format(*held))
-    if args.checkpoint:
-        # FSDP2: gathering whole weights is a collective: every rank joins,
-        # and with cpu_offload rank 0 alone receives them, in CPU memory
-        full = dict(full_state_dict=True, cpu_offload=True)
-        options = dcp_state.StateDictOptions(**full)
-        whole = dcp_state.get_model_state_dict(model, options=options)
+    # FSDP2: all ranks gather the whole weights; rank 0 gets them, on the CPU
+    full = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    whole = dcp_state.get_model_state_dict(model, options=full)
     if args.checkpoint and rank == 0:  # step 1: one writer
-        save_checkpoint(whole, args.checkpoint)  # FSDP2
+        # FSDP2: part 1's model takes the whole weights, and is saved as ever
+        model = build_model(args.model)
+        model.load_state_dict(whole)
+        save_checkpoint(model, args.checkpoint)
         saved = torch.load(args.checkpoint, map_location="cpu")
         build_model(args.model).load_state_dict(saved)
         log(f"checkpoint {args.checkpoint} loads into a bare {args.model}")
