@@ -4,6 +4,7 @@ timeout, and read what they did (their output and the probe records, see probe/)
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -20,6 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE_PATH = Path(__file__).resolve().parent / "probe"
+# The course's checker for any script (part4_torchrun/your_script/): its recorder and report.
+CHECKER_PATH = REPO / "part4_torchrun" / "your_script" / "checker"
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 
@@ -133,6 +136,7 @@ def launch(
     timeout: float,
     env: dict[str, str] | None = None,
     probe_dir: Path | None = None,
+    check_dir: Path | None = None,
     cwd: Path = REPO,
     check: bool = True,
     fail_on_timeout: bool = True,
@@ -140,16 +144,25 @@ def launch(
 ) -> Run:
     """Run a command in its own process group; on timeout call `before_kill` (e.g. to make
     every process dump its stacks), kill the whole group and everything below it, then fail
-    (or, with fail_on_timeout=False, return a Run with timed_out set)."""
+    (or, with fail_on_timeout=False, return a Run with timed_out set).
+    probe_dir: the probe records into it; check_dir: the checker's recorder records into it
+    (first on the path: its sitecustomize loads the probe's after it)."""
     full_env = {
         k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"
     }  # let the scripts choose
     full_env["PYTHONUNBUFFERED"] = "1"  # the hardest case for whole-line output
-    if probe_dir is not None:
+    recorders = {
+        CHECKER_PATH: ("DDP_CHECK_DIR", check_dir),
+        PROBE_PATH: ("DDP_PROBE_DIR", probe_dir),
+    }
+    used = [path for path, (_, directory) in recorders.items() if directory is not None]
+    if used:
         full_env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(PROBE_PATH), full_env.get("PYTHONPATH")])
+            filter(None, [*map(str, used), full_env.get("PYTHONPATH")])
         )
-        full_env["DDP_PROBE_DIR"] = str(probe_dir)
+    for path in used:
+        variable, directory = recorders[path]
+        full_env[variable] = str(directory)
     full_env.update(env or {})
     process = subprocess.Popen(
         command,
@@ -265,6 +278,19 @@ class Probe:
             )
             pairs = zip(first[0]["params"], first[rank]["params"], strict=True)
             assert all(torch.equal(a, b) for a, b in pairs), f"rank {rank} began with other weights"
+
+
+def checker():
+    """The checker's report half (ddp_check.py) as a module: report(directory, returncode),
+    read(directory), loaders(ranks)."""
+    module = sys.modules.get("ddp_check")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("ddp_check", CHECKER_PATH / "ddp_check.py")
+        module = importlib.util.module_from_spec(spec)
+        # registered first: its dataclasses look their module up while they are made
+        sys.modules["ddp_check"] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -16,13 +16,23 @@ OMP_NUM_THREADS (the cores shared among the tasks), which the job script exports
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
+import torch
 from autograder.claims import failing, grade
 from autograder.report import report
-from autograder.run import GRADE_EPOCHS, SOLUTIONS, STARTING_POINT, Target, graded_targets, train
-from conftest import with_environ
+from autograder.run import (
+    GRADE_EPOCHS,
+    SOLUTIONS,
+    STARTING_POINT,
+    Target,
+    Training,
+    graded_targets,
+    train,
+)
+from conftest import REPO, checker, with_environ
 from grade_mutants import MUTANTS, plant
 from mnist_data import (  # noqa: F401  (the *_root names are pytest fixtures)
     SMALL_TEST,
@@ -45,18 +55,57 @@ def test_autograde(
     """Every claim (autograder/claims.py) holds for the script, launched as a learner launches
     it. The report is printed (conftest.py shows it when grading a learner's script): every
     claim with its evidence, or the first failure, first and last."""
-    t = train(target, grading_root, tmp_path, probe_dir, GRADE_EPOCHS)
+    t = train(target, grading_root, tmp_path, probe_dir, GRADE_EPOCHS, workers=target.workers)
     findings = grade(t)
     print(report(findings, t))
     failed = list(failing(findings).values())
     if failed:
         pytest.fail(failed[0].headline, pytrace=False)
-    # Graded with the script's default loader settings: worker processes feed the training
-    # batches, and neither loader forks them from the rank, whose threads may hold locks.
-    workers = {e["workers"] for e in t.probe.events("batch") if e["loader"] == 0}
-    assert workers and 0 not in workers, f"training loader worker processes: {workers}"
-    starts = {e["loader"]: e["start"] for e in t.probe.events("batch")}
-    assert "fork" not in starts.values(), f"start method of each loader's workers: {starts}"
+    if target.workers is None:
+        # Graded with the script's default loader settings: worker processes feed the training
+        # batches, and neither loader forks them from the rank, whose threads may hold locks.
+        workers = {e["workers"] for e in t.probe.events("batch") if e["loader"] == 0}
+        assert workers and 0 not in workers, f"training loader worker processes: {workers}"
+        starts = {e["loader"]: e["start"] for e in t.probe.events("batch")}
+        assert "fork" not in starts.values(), f"start method of each loader's workers: {starts}"
+    if target.script in SOLUTIONS.values():
+        checker_agrees_with_the_probe(t)
+
+
+def checker_agrees_with_the_probe(t: Training) -> None:
+    """The course's checker (part4_torchrun/your_script/checker/), which recorded beside the
+    probe, on the course's own solutions: every check holds (inputs disjoint too, with a
+    DistributedSampler's padding on 3 ranks), and it counts what the probe counts."""
+    assert {c.status for c in t.checks} == {"ok"}, [c.line() for c in t.checks]
+    batches = {
+        len([e for e in t.probe.events("batch") if e["rank"] == rank and e["loader"] == 0])
+        for rank in range(t.world)
+    }
+    (steps,) = t.checked("same steps")
+    assert len(batches) == 1 and steps.detail.endswith(f"(model 0: {batches.pop()})"), steps
+    calls = [e for e in t.probe.events("collective") if e["rank"] == 0]
+    (collectives,) = t.checked("same collectives")
+    assert collectives.detail.startswith(f"{len(calls)} on every rank"), collectives
+    (training,) = t.checked("loader samples disjoint (loader 0, MNIST, DistributedSampler)")
+    assert training.detail.startswith(f"{t.epochs * t.train_digits} samples over"), training
+    # The parameters each recorded for rank 0 at the end: the same tensors.
+    ranks, _ = checker().read(t.check_dir)
+    (end,) = ranks[0].of("end")
+    saved = torch.load(end["saved"], weights_only=True)
+    assert all(map(torch.equal, saved.values(), t.params()[0])), "the two recorders agree"
+
+
+def test_the_solutions_build_their_loaders_alike() -> None:
+    """What lets test_autograde grade the loaders' default worker processes on one solution:
+    the torchrun solution builds its loaders with the srun one's code."""
+
+    def build_loaders(script: str) -> str:
+        text = (REPO / script).read_text()
+        tree = ast.parse(text)
+        (found,) = [n for n in tree.body if getattr(n, "name", None) == "build_loaders"]
+        return ast.get_source_segment(text, found)
+
+    assert build_loaders(SOLUTIONS["srun"]) == build_loaders(SOLUTIONS["torchrun"])
 
 
 def test_starting_point_fails_at_step_1(
@@ -82,21 +131,28 @@ def test_starting_point_fails_at_step_1(
     assert "by ranks [0, 1]" in failed["checkpoint"].text, text
 
 
-# The suite's share of the mutant gallery (python tests/grade_mutants.py grades them all): a
-# run per mistake that must open the report, with mistakes whose claims come later planted
-# beside it (each must fail its own claim with its cause). On 400 digits for 2 epochs, with
-# no loader workers: these runs show mistakes, they do not learn.
+# The suite's share of the mutant gallery (python tests/grade_mutants.py grades them all, each
+# alone): a run per mistake that must open the report, with mistakes whose claims come later
+# planted beside it (each must fail its own claim with its cause). A crash after the last epoch
+# leaves every claim before it to check. ("every rank saves" is the starting point's own
+# mistake.) On 400 digits for 2 epochs, with no loader workers: these runs show mistakes, they
+# do not learn.
 PLANTED = {
-    "loss divided by the world size": ["no set_epoch", "every rank saves"],
-    "sampler seeded with the rank": [
+    "loss divided by the world size": [
+        "sampler seeded with the rank",
+        "no set_epoch",
         "test set split by a DistributedSampler",
         "checkpoint of the DDP wrapper",
     ],
-    "training sampler with shuffle=False": ["test set not split", "training counts not summed"],
     "world size hard-coded in the sampler": [],
     "progress bar object on rank 0 only": [],
-    "checkpoint read back with no barrier": [],
+    "checkpoint read back with no barrier": [
+        "training sampler with shuffle=False",
+        "test set not split",
+        "training counts not summed",
+    ],
 }
+
 # Where a mistake is a race, rank 0's torch.save waits this long: a read that no barrier
 # orders after it then loses the race every time.
 SLOW_SAVE = {"DDP_PROBE_SAVE_DELAY_S": "3"}
@@ -134,7 +190,8 @@ def test_planted_mistakes_fail_at_their_step_with_their_cause(
 
 
 # A test-loader worker of rank 1 that does not answer for 20 s (its worker_init_fn waits), as
-# a worker forked while another thread of the rank held a lock does, forever.
+# a worker forked while another thread of the rank held a lock does, forever. That loader
+# alone has a worker process: the others start none, which spares the launch four processes.
 STUCK_WORKER = (
     (
         "class Net(nn.Module):",
@@ -142,8 +199,12 @@ STUCK_WORKER = (
         "    while time.time() < end:\n        time.sleep(0.2)\n\n\nclass Net(nn.Module):",
     ),
     (
+        "    train_loader = DataLoader(train_set, batch_size, sampler=sampler, **kwargs)",
+        "    train_loader = DataLoader(train_set, batch_size, sampler=sampler)",
+    ),
+    (
         "    test_loader = DataLoader(test_set, 1000, **kwargs)",
-        "    test_loader = DataLoader(test_set, 1000, **kwargs,"
+        "    test_loader = DataLoader(test_set, 1000, **(kwargs if rank == 1 else {}),"
         " worker_init_fn=stuck if rank == 1 else None)",
     ),
 )

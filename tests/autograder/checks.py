@@ -213,19 +213,22 @@ def check_gradient(t: Training) -> Verdict:
 
 
 def check_in_sync(t: Training) -> Verdict:
-    params = t.params()
-    if len(params) < t.world:
-        if t.probe.events("init") or t.failed:
-            raise NotChecked("the parameters are recorded at dist.destroy_process_group()")
+    """The checker's "replicas equal": every parameter of the DDP-wrapped model bit-equal on
+    every rank at the end (at dist.destroy_process_group(), else at exit)."""
+    replicas = t.checked("replicas equal")
+    if not replicas:
+        # the checker saw no process group
         return fails("no process group, so nothing keeps the ranks' parameters equal: no DDP")
-    equal = [all(map(torch.equal, params[0], params[r])) for r in params]
-    if not all(equal):
-        return fails(
-            "the ranks' parameters differ after training:"
-            " wrap the model in DDP, which averages the gradients"
-        )
-    values = sum(p.numel() for p in params[0])
-    return holds(f"{len(params[0])} tensors, {count(values)} values, bit-equal on every rank")
+    for c in replicas:
+        if c.status == "FAIL":
+            return fails(
+                f"the ranks' parameters differ after training: {c.detail}. A rank updated its"
+                " replica differently: train the DDP-wrapped model, the same steps on every rank"
+            )
+    for c in replicas:
+        if c.status != "ok":
+            raise NotChecked(c.detail)
+    return holds("; ".join(c.detail for c in replicas))
 
 
 def check_gpu(t: Training) -> Verdict:
@@ -235,20 +238,22 @@ def check_gpu(t: Training) -> Verdict:
 
 
 def check_shards(t: Training) -> Verdict:
-    """Each epoch, the ranks split one permutation of the training set: every sample drawn
-    once, apart from DistributedSampler's padding (the first samples again, up to W x
-    ceil(N/W)) or its drop_last (fewer than W left out)."""
+    """Each epoch, the ranks split one permutation of the training set. The checker's "loader
+    samples disjoint" shows the shares disjoint: no sample drawn by two ranks in a pass, apart
+    from DistributedSampler's padding (up to W - 1 samples again); they also cover it: every
+    sample drawn, or fewer than W left out (drop_last)."""
     n, w = t.train_digits, t.world
     epochs = list(range(min(2, t.whole_epochs)))
     if not epochs:
         raise NotChecked("no epoch ended on every rank")
+    loader = t.loader(training=True)
+    # None: the checker recorded no process group; the probe's draws still tell the cause
+    overlaps = loader.overlaps(w) if loader else None
     for epoch in epochs:
         drawn = t.draws(epoch, training=True)
         sizes = {rank: len(drawn[rank]) for rank in drawn}
-        everything = [i for rank in sorted(drawn) for i in drawn[rank]]
-        twice, missing = len(everything) - len(set(everything)), n - len(set(everything))
-        padding = w * math.ceil(n / w) - n
-        if (not missing and twice <= padding) or (not twice and missing < w):
+        missing = n - len({i for rank in drawn for i in drawn[rank]})
+        if overlaps is not None and epoch not in overlaps and missing < w:
             continue
         samplers = t.samplers(epoch)
         kinds = {rank: s.get("type") for rank, s in samplers.items()}
@@ -269,9 +274,12 @@ def check_shards(t: Training) -> Verdict:
                 f"every rank drew the same {count(sizes[0])} samples in epoch {epoch + 1}: the"
                 " sampler's rank is not the process's rank. Pass rank=rank"
             )
+        if loader is None:
+            return fails(f"no process group: the ranks' shares cannot be one split ({said})")
         seeds = {rank: s.get("seed") for rank, s in samplers.items()}
         numbers = {rank: s.get("epoch") for rank, s in samplers.items()}
-        overlap = f"{samples(twice)} drawn twice, {count(missing)} never ({said})"
+        shared = loader.shared(epoch)
+        overlap = f"{samples(shared)} drawn by more than one rank, {count(missing)} never ({said})"
         if len(set(seeds.values())) > 1:
             return fails(
                 f"the ranks' shares overlap: {overlap}. Their samplers were seeded"
@@ -290,11 +298,10 @@ def check_shards(t: Training) -> Verdict:
         )
     drawn = t.draws(epochs[-1], training=True)
     sizes = {rank: count(len(drawn[rank])) for rank in drawn}
-    everything = [i for rank in sorted(drawn) for i in drawn[rank]]
-    extra = len(everything) - n
-    note = "none twice" if extra <= 0 else f"{extra} twice: the sampler pads to {w} equal shares"
-    if extra < 0:
-        note = f"{-extra} left out: drop_last"
+    shared = loader.shared(epochs[-1])
+    missing = n - len({i for rank in drawn for i in drawn[rank]})
+    note = f"{shared} on two ranks: the sampler pads to {w} equal shares" if shared else ""
+    note = note or (f"{missing} left out: drop_last" if missing else "none on two ranks")
     said = " and ".join(f"{e + 1}" for e in epochs)
     return holds(f"epochs {said}: {per_rank(sizes)} samples; {note}; all of {count(n)} drawn")
 
@@ -332,7 +339,8 @@ def check_order(t: Training) -> Verdict:
 
 
 def check_test_shares(t: Training) -> Verdict:
-    """Each rank evaluates its own part of the test set: together each sample once."""
+    """Each rank evaluates its own part of the test set: together each sample once. (The
+    checker's "loader samples disjoint" allows a DistributedSampler's padding; this does not.)"""
     n, w = t.test_digits, t.world
     if not t.whole_epochs:
         raise NotChecked("no epoch ended on every rank")
@@ -351,18 +359,20 @@ def check_test_shares(t: Training) -> Verdict:
             f"ranks {whole} each evaluated the whole test set ({count(n)} samples): give each"
             f" rank its share, {share}"
         )
-    everything = [i for rank in sorted(drawn) for i in drawn[rank]]
-    twice = len(everything) - len(set(everything))
-    if twice and twice == w * math.ceil(n / w) - n:
+    loader = t.loader(training=False)
+    shared = loader.shared(0) if loader else 0
+    padding = w * math.ceil(n / w) - n
+    if shared and shared == padding and loader.sampler == "DistributedSampler":
         return fails(
-            f"the test set was padded, {samples(twice)} evaluated twice: a DistributedSampler"
+            f"the test set was padded, {samples(shared)} evaluated twice: a DistributedSampler"
             f" pads the {count(n)} test samples to {w} x {math.ceil(n / w)}; split them"
             f" without padding, {share}"
         )
-    if twice or len(set(everything)) != n:
+    evaluated = len({i for rank in drawn for i in drawn[rank]})
+    if shared or evaluated != n or sum(sizes.values()) != n:
         return fails(
-            f"the ranks evaluated {count(len(set(everything)))} different samples of"
-            f" {count(n)}, {twice} twice ({per_rank(sizes)}): split the test set, {share}"
+            f"the ranks evaluated {count(evaluated)} different samples of {count(n)},"
+            f" {shared} on more than one rank ({per_rank(sizes)}): split the test set, {share}"
         )
     return holds(f"epoch 1: {per_rank(sizes)} test samples; none twice; all of {count(n)}")
 

@@ -1,4 +1,5 @@
-"""The launch, as a learner's job would run it, and what a training run left behind."""
+"""The launch, as a learner's job would run it, and what a training run left behind: the
+probe's records and the course's checker's (part4_torchrun/your_script/checker/)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
+from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, checker, free_port, launch
 from mnist_data import GRADED_TEST, TRAIN_DIGITS
 
 SOLUTIONS = {
@@ -70,6 +71,8 @@ class Target:
     launcher: str
     script: str
     world: int = 2
+    # its --workers (DataLoader worker processes); None: the script's default
+    workers: int | None = None
 
     def __str__(self) -> str:
         return f"{self.launcher}-{self.world}-{self.script}"
@@ -77,7 +80,8 @@ class Target:
 
 def graded_targets() -> list[Target]:
     """The learner's script if DDP_EXERCISE_SCRIPT names one (DDP_EXERCISE_LAUNCHER, default
-    srun; DDP_EXERCISE_WORLD processes, default 2), else both solutions, at 2 and 3 ranks."""
+    srun; DDP_EXERCISE_WORLD processes, default 2), with its default loader workers, else both
+    solutions, at 2 and 3 ranks."""
     script = os.environ.get("DDP_EXERCISE_SCRIPT")
     if script:
         launcher = os.environ.get("DDP_EXERCISE_LAUNCHER", "srun")
@@ -89,7 +93,12 @@ def graded_targets() -> list[Target]:
         if not world.isdigit() or int(world) < 2:
             raise pytest.UsageError(f"DDP_EXERCISE_WORLD={world}: a number of processes, 2 or more")
         return [Target(launcher, script, int(world))]
-    return [Target("srun", SOLUTIONS["srun"], 2), Target("torchrun", SOLUTIONS["torchrun"], 3)]
+    # The torchrun solution builds its loaders as the srun one does (test_exercises.py checks
+    # it): their default worker processes are graded once, and 6 processes fewer start.
+    return [
+        Target("srun", SOLUTIONS["srun"], 2),
+        Target("torchrun", SOLUTIONS["torchrun"], 3, workers=0),
+    ]
 
 
 def threads_per_task(world: int) -> int:
@@ -111,6 +120,8 @@ class Training:
     seconds: float
     timeout: float
     log: Path
+    # the checker's records
+    check_dir: Path
 
     @property
     def world(self) -> int:
@@ -221,6 +232,29 @@ class Training:
                 steps[rank] = torch.load(path, weights_only=True)
         return steps
 
+    @cached_property
+    def checks(self) -> list:
+        """The checker's verdicts on the run (ddp_check.report's checks): replicas equal, loader
+        samples disjoint, ...; only a check named "process group" when no rank joined one."""
+        return checker().report(self.check_dir, self.run.returncode)[1]
+
+    def checked(self, name: str) -> list:
+        """The checker's checks whose name starts with `name` (a model's or a loader's is
+        appended)."""
+        return [c for c in self.checks if c.name.startswith(name)]
+
+    def loader(self, training: bool):
+        """The checker's record of the training loader (rank 0's, as `draws` picks it), or of
+        another one (the test set's); None when rank 0 drew from none."""
+        number = self.training_loader(self.pids[0]) if 0 in self.pids else None
+        ranks, _ = checker().read(self.check_dir)
+        found = [
+            loader
+            for loader in checker().loaders(ranks)
+            if number is not None and (loader.number == number) == training
+        ]
+        return found[0] if found else None
+
     def params(self) -> dict[int, list[torch.Tensor]]:
         """rank -> its parameters at destroy_process_group(), for the ranks that got there."""
         return {
@@ -242,8 +276,8 @@ def train(
     collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
     launch_timeout: int = LAUNCH_TIMEOUT,
 ) -> Training:
-    """Launch `target` on `data` for `epochs` with the probe; workers=None keeps the script's
-    default loader workers, as a learner runs it."""
+    """Launch `target` on `data` for `epochs` with the probe and the checker's recorder;
+    workers=None keeps the script's default loader workers, as a learner runs it."""
     checkpoint = tmp_path / "ckpt" / "mnist_cnn.pt"
     script = REPO / target.script
     batch = max(1, GLOBAL_BATCH // target.world)
@@ -264,12 +298,15 @@ def train(
             "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": str(threads_per_task(target.world)),
         }
+    check_dir = tmp_path / "check"
+    check_dir.mkdir()
     start = time.monotonic()
     run = launch(
         command,
         timeout=launch_timeout,
         env=env,
         probe_dir=probe_dir,
+        check_dir=check_dir,
         check=False,
         fail_on_timeout=False,
     )
@@ -279,5 +316,15 @@ def train(
     probe = Probe.read(probe_dir)
     log = tmp_path / "grade.log"
     return Training(
-        target, run, probe, tasks, checkpoint, epochs, *digits, seconds, launch_timeout, log
+        target,
+        run,
+        probe,
+        tasks,
+        checkpoint,
+        epochs,
+        *digits,
+        seconds,
+        launch_timeout,
+        log,
+        check_dir,
     )

@@ -48,6 +48,8 @@ class Check:
     status: str  # "ok", "FAIL", or "--" (could not check)
     name: str
     detail: str
+    # the number of the model or loader the check is about, for a check of one
+    subject: int | None = None
 
     def line(self) -> str:
         return f"{self.status:<5} {self.name}: {self.detail}"
@@ -112,6 +114,7 @@ def check_replicas(ranks: list[Rank]) -> list[Check]:
                     name,
                     f"rank(s) {missing} recorded no parameters: they did not reach"
                     " destroy_process_group() or a normal exit",
+                    model,
                 )
             )
             continue
@@ -122,7 +125,7 @@ def check_replicas(ranks: list[Rank]) -> list[Check]:
             detail = (
                 f"{len(names)} parameter tensors bit-equal on all {len(ranks)} ranks at the end"
             )
-            checks.append(Check("ok", name, detail))
+            checks.append(Check("ok", name, detail, model))
             continue
         # torch only here: reading the saved parameters (importing it takes seconds)
         import torch
@@ -138,7 +141,7 @@ def check_replicas(ranks: list[Rank]) -> list[Check]:
             f"{len(differing)} of {len(names)} parameter tensors differ at the end, first"
             f" {differing[0]!r}; max |difference| between ranks {drift:.4g}"
         )
-        checks.append(Check("FAIL", name, detail))
+        checks.append(Check("FAIL", name, detail, model))
     return checks
 
 
@@ -157,13 +160,17 @@ def check_steps(ranks: list[Rank]) -> Check:
     return Check("ok", "same steps", f"training forwards on every rank ({total})")
 
 
-def check_inputs(ranks: list[Rank]) -> Check:
+def check_inputs(ranks: list[Rank], world_size: int) -> Check:
     """No row of a training input on two ranks in the same epoch: the same pass of the loader
     that handed out the last batch before it, or, without a loader, the same step. (Across
-    epochs a sample may move to another rank: DistributedSampler reshuffles with set_epoch.)"""
+    epochs a sample may move to another rank: DistributedSampler reshuffles with set_epoch.)
+    A DistributedSampler pads each pass with up to world_size - 1 samples again, each on another
+    rank than its first copy: that many shared rows are allowed in a pass it drew."""
+    samplers = {e["loader"]: e["sampler"] for r in ranks for e in r.of("batch")}
     owners: dict[tuple, dict[str, tuple[int, int]]] = defaultdict(dict)
+    shared: dict[tuple, set[str]] = defaultdict(set)
     distinct: set[str] = set()
-    total, shared, example = 0, set(), None
+    total, examples = 0, {}
     for r in ranks:
         for index, e in enumerate(training_forwards(r)):
             epoch = ("pass", *e["pass"]) if e.get("pass") else ("step", index)
@@ -172,64 +179,100 @@ def check_inputs(ranks: list[Rank]) -> Check:
                 distinct.add(row)
                 first = owners[epoch].setdefault(row, (r.rank, index))
                 if first[0] != r.rank:
-                    shared.add(row)
-                    example = example or (first, r.rank)
+                    shared[epoch].add(row)
+                    examples.setdefault(epoch, (first, r.rank))
     if not total:
         return Check("--", "inputs disjoint", "no training forward with a tensor input")
-    if not shared:
+
+    def padding(epoch: tuple) -> int:
+        padded = epoch[0] == "pass" and samplers.get(epoch[1]) == "DistributedSampler"
+        return world_size - 1 if padded else 0
+
+    over = [epoch for epoch, rows in shared.items() if len(rows) > padding(epoch)]
+    if not over:
+        padded = max(map(len, shared.values()), default=0)
+        note = f" (up to {padded} a pass: a DistributedSampler's padding)" if padded else ""
         return Check(
             "ok",
             "inputs disjoint",
             f"{len(distinct)} distinct rows (dim 0 of forward's first input) in {total}; none"
-            " went to two ranks in one epoch (a loader's pass, else a step)",
+            f" went to two ranks in one epoch (a loader's pass, else a step){note}",
         )
-    (rank, index), other = example
+    rows = set().union(*(shared[epoch] for epoch in over))
+    (rank, index), other = examples[over[0]]
     return Check(
         "FAIL",
         "inputs disjoint",
-        f"{len(shared)} of {len(distinct)} distinct rows went to more than one rank in one"
+        f"{len(rows)} of {len(distinct)} distinct rows went to more than one rank in one"
         f" epoch (first: rank {rank}'s training forward {index + 1}, also on rank {other})",
     )
 
 
-def check_loaders(ranks: list[Rank], world_size: int) -> list[Check]:
-    drawn: dict[int, dict[int, dict[int, list[int]]]] = defaultdict(lambda: defaultdict(dict))
-    kinds: dict[int, tuple[str, str]] = {}
+@dataclass
+class Loader:
+    """What one map-style DataLoader handed out: loaders are numbered in the order each process
+    made them, so loader N is the same on every rank running the same script."""
+
+    number: int
+    dataset: str
+    sampler: str
+    # pass -> rank -> the data-set indices that rank drew in that pass
+    passes: dict[int, dict[int, list[int]]]
+
+    def shared(self, number: int) -> int:
+        """How many samples more than one rank drew in pass `number`."""
+        per_rank = self.passes.get(number, {})
+        counts = Counter(s for samples in per_rank.values() for s in set(samples))
+        return sum(1 for c in counts.values() if c > 1)
+
+    def overlaps(self, world_size: int) -> dict[int, int]:
+        """pass -> samples drawn by more than one rank, for the passes with more than a
+        DistributedSampler's padding (it pads with up to world_size - 1 repeated samples)."""
+        allowed = world_size - 1 if self.sampler == "DistributedSampler" else 0
+        shared = {number: self.shared(number) for number in sorted(self.passes)}
+        return {number: n for number, n in shared.items() if n > allowed}
+
+
+def loaders(ranks: list[Rank]) -> list[Loader]:
+    """Every loader that handed out a batch, by number."""
+    found: dict[int, Loader] = {}
     for r in ranks:
         for e in r.of("batch"):
-            drawn[e["loader"]][e["pass"]].setdefault(r.rank, []).extend(e["samples"])
-            kinds[e["loader"]] = (e["dataset"], e["sampler"])
+            loader = found.setdefault(
+                e["loader"], Loader(e["loader"], e["dataset"], e["sampler"], defaultdict(dict))
+            )
+            loader.passes[e["pass"]].setdefault(r.rank, []).extend(e["samples"])
+    return [found[number] for number in sorted(found)]
+
+
+def check_loaders(ranks: list[Rank], world_size: int) -> list[Check]:
     checks = []
-    for loader, passes in sorted(drawn.items()):
-        dataset, sampler = kinds[loader]
-        name = f"loader samples disjoint (loader {loader}, {dataset}, {sampler})"
-        users = {rank for per_rank in passes.values() for rank in per_rank}
+    for loader in loaders(ranks):
+        name = (
+            f"loader samples disjoint (loader {loader.number}, {loader.dataset}, {loader.sampler})"
+        )
+        users = {rank for per_rank in loader.passes.values() for rank in per_rank}
         if len(users) < 2:
-            checks.append(Check("ok", name, f"only rank {min(users)} drew from it"))
+            detail = f"only rank {min(users)} drew from it"
+            checks.append(Check("ok", name, detail, loader.number))
             continue
-        # DistributedSampler pads with up to world_size - 1 repeated samples per pass.
-        allowed = world_size - 1 if sampler == "DistributedSampler" else 0
-        worst, worst_pass, total = 0, 0, 0
-        for number, per_rank in sorted(passes.items()):
-            counts = Counter(s for samples in per_rank.values() for s in set(samples))
-            repeated = sum(1 for c in counts.values() if c > 1)
-            total += len(counts)
-            if repeated > worst:
-                worst, worst_pass = repeated, number
-        if worst > allowed:
-            checks.append(
-                Check(
-                    "FAIL",
-                    name,
-                    f"{worst} samples drawn by more than one rank in pass {worst_pass}: give the"
-                    " loader a DistributedSampler, or each rank a Subset of its own",
-                )
+        overlaps = loader.overlaps(world_size)
+        if overlaps:
+            worst = max(overlaps, key=overlaps.get)
+            detail = (
+                f"{overlaps[worst]} samples drawn by more than one rank in pass {worst}: give the"
+                " loader a DistributedSampler, or each rank a Subset of its own"
             )
-        else:
-            padding = f" ({worst} repeated: the sampler's padding)" if worst else ""
-            checks.append(
-                Check("ok", name, f"{total} samples over {len(passes)} pass(es){padding}")
-            )
+            checks.append(Check("FAIL", name, detail, loader.number))
+            continue
+        padded = max(loader.shared(number) for number in loader.passes)
+        padding = f" ({padded} repeated: the sampler's padding)" if padded else ""
+        total = sum(
+            len({s for samples in per_rank.values() for s in samples})
+            for per_rank in loader.passes.values()
+        )
+        detail = f"{total} samples over {len(loader.passes)} pass(es){padding}"
+        checks.append(Check("ok", name, detail, loader.number))
     return checks
 
 
@@ -297,7 +340,7 @@ def report(directory: Path, returncode: int = 0) -> tuple[list[str], list[Check]
     checks = [
         *check_replicas(ranks),
         check_steps(ranks),
-        check_inputs(ranks),
+        check_inputs(ranks, world_size),
         *check_loaders(ranks, world_size),
         check_collectives(ranks),
     ]
