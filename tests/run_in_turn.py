@@ -64,7 +64,10 @@ def fresh_store(turn: int, launcher_port: int) -> None:
 def main() -> None:
     launcher_port = int(os.environ.get("MASTER_PORT", "0"))
     for turn, (script, *args) in enumerate(split(sys.argv[1:])):
-        print(f"script {Path(script).name}", flush=True)
+        # One write, the newline with it: print() writes the line and its end apart, and the
+        # other rank's line could land between them.
+        sys.stdout.write(f"script {Path(script).name}\n")
+        sys.stdout.flush()
         # Its folder first on the path, as `python SCRIPT` has it (overlap_bench imports a step).
         sys.path.insert(0, str(Path(script).resolve().parent))
         sys.argv = [script, *args]
