@@ -147,11 +147,10 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 
 
 def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
-    # step 1: NCCL for NVIDIA GPUs, one per process; gloo for CPUs
+    # step 1: NCCL and a GPU per process; else gloo, the cores shared
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     elif "OMP_NUM_THREADS" not in os.environ:
-        # step 1: on a CPU the processes share the cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size)
@@ -196,8 +195,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
 
 if __name__ == "__main__":
     args = parse_args()
-    # step 1: rank 0 listens on a port the OS says is free; the others join
-    with socket.create_server(("127.0.0.1", 0)) as free:
+    with socket.create_server(("127.0.0.1", 0)) as free:  # step 1: free port
         port = free.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # step 1: main(rank, nprocs, args) in nprocs processes; one fails: all end

@@ -151,7 +151,7 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
     # step 4: the processes all run on this machine: the local rank is the rank
     local_rank, local_world_size = rank, world_size
-    # step 1: NCCL for NVIDIA GPUs, one per process; gloo for CPUs
+    # step 1: NCCL and a GPU per process; else gloo, the cores shared
     if torch.cuda.is_available():
         # step 4: one GPU per process
         if local_world_size > torch.cuda.device_count():
@@ -159,7 +159,6 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
             sys.exit(f"error: {local_world_size} processes, {gpus} GPU(s)")
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
-        # step 1: on a CPU the processes share the cores
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -226,8 +225,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
 
 if __name__ == "__main__":
     args = parse_args()
-    # step 1: rank 0 listens on a port the OS says is free; the others join
-    with socket.create_server(("127.0.0.1", 0)) as free:
+    with socket.create_server(("127.0.0.1", 0)) as free:  # step 1: free port
         port = free.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # step 1: main(rank, nprocs, args) in nprocs processes; one fails: all end

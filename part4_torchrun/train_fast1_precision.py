@@ -69,9 +69,8 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def read_launcher_env() -> tuple[int, ...]:
+def read_launcher_env(env=os.environ) -> tuple[int, ...]:
     # step 6: torchrun and srun say who each process is; python: a world of one
-    env = os.environ
     if "RANK" not in env and "SLURM_STEP_ID" not in env:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
         return 0, 0, 1, 1
@@ -172,7 +171,7 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 
 def main(args: argparse.Namespace) -> None:  # step 6
     rank, local_rank, world_size, local_world_size = read_launcher_env()
-    # step 1: NCCL for NVIDIA GPUs, one per process; gloo for CPUs
+    # step 1: NCCL and a GPU per process; else gloo, the cores shared
     if torch.cuda.is_available():
         # step 4: one GPU per process
         if local_world_size > torch.cuda.device_count():
@@ -180,7 +179,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
             sys.exit(f"error: {local_world_size} processes, {gpus} GPU(s)")
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
-        # step 1: on a CPU the processes share the cores
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -46,9 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--snapshot", default="snapshot.pt", help="resume from, save to"
     )  # step 7
-    parser.add_argument(
-        "--snapshot-every", type=int, default=100, help="steps, 1 or more"
-    )  # step 8
+    parser.add_argument("--snapshot-every", type=int, default=100)  # step 8
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
@@ -74,9 +72,8 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def read_launcher_env() -> tuple[int, ...]:
+def read_launcher_env(env=os.environ) -> tuple[int, ...]:
     # step 6: torchrun and srun say who each process is; python: a world of one
-    env = os.environ
     if "RANK" not in env and "SLURM_STEP_ID" not in env:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
         return 0, 0, 1, 1
@@ -173,7 +170,7 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
 
 
 def save_snapshot(path: str, state: dict, every=1, step=0) -> None:
-    rngs = [None] * dist.get_world_size()  # step 8: mid-epoch, each rank's RNG
+    rngs = [None] * dist.get_world_size()  # step 9: mid-epoch, each rank's RNG
     if step and not step % every:
         dist.all_gather_object(rngs, torch.get_rng_state())
     if dist.get_rank() or step % every:  # step 8: rank 0, every `every` steps
@@ -181,14 +178,14 @@ def save_snapshot(path: str, state: dict, every=1, step=0) -> None:
     # step 7: each object's state (no RNG: each epoch reseeds), to a temporary
     # file, renamed: a crash leaves no half file (a power cut needs os.fsync)
     snapshot = {name: obj.state_dict() for name, obj in state.items()}
-    snapshot.update(rng=rngs, step=step)  # step 8
+    snapshot.update(rng=rngs, step=step)  # step 9
     torch.save(snapshot, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
 def main(args: argparse.Namespace) -> None:  # step 6
     rank, local_rank, world_size, local_world_size = read_launcher_env()
-    # step 1: NCCL for NVIDIA GPUs, one per process; gloo for CPUs
+    # step 1: NCCL and a GPU per process; else gloo, the cores shared
     if torch.cuda.is_available():
         # step 4: one GPU per process
         if local_world_size > torch.cuda.device_count():
@@ -196,7 +193,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
             sys.exit(f"error: {local_world_size} processes, {gpus} GPU(s)")
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
-        # step 1: on a CPU the processes share the cores
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -216,7 +212,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
     # step 3: each rank trains on its shard and scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
-    train_loader = StatefulDataLoader(  # step 8: saves its place, own generator
+    train_loader = StatefulDataLoader(  # step 8: its place; 9: its own RNG
         train_set, args.batch_size, sampler=sampler, generator=torch.Generator()
     )
     test_loader = DataLoader(test_set, args.batch_size)
@@ -252,12 +248,13 @@ def main(args: argparse.Namespace) -> None:  # step 6
         # rank its own crops and flips; the weights stay those DDP broadcast
         sampler.set_epoch(epoch)
         torch.manual_seed(hash((args.seed, rank, epoch)))
-        if first_step:  # step 8: resumed mid-epoch: this rank's RNG, as saved
+        if first_step:  # step 9: resumed mid-epoch: this rank's RNG, as saved
             torch.set_rng_state(saved["rng"][rank])
         start = time.perf_counter()
         show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        # step 8: the steps left of this epoch; the next epoch starts at 0
         steps, first_step = range(first_step, per_epoch), 0
-        totals = train_one_epoch(  # step 8: the steps left; next epoch from 0
+        totals = train_one_epoch(
             model, train_loader, optimizer, device, steps, show_bar, save
         )
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks

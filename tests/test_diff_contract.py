@@ -9,7 +9,7 @@ import difflib
 
 import pytest
 from conftest import REPO
-from course_steps import BEYOND_STEPS, MAX_WIDTH, STEPS, Step
+from course_steps import BEYOND_STEPS, CEILING, CEILINGS, MAX_WIDTH, STEPS, Step
 
 ALL_STEPS = [*STEPS, *BEYOND_STEPS]
 DIFFS = [s for s in ALL_STEPS if s.before]
@@ -24,15 +24,18 @@ def code_lines(path: str) -> list[str]:
 
 
 def hunks(step: Step) -> list[tuple[list[str], list[str]]]:
-    """(removed, added) lines of each hunk of the diff, without context."""
-    result: list[tuple[list[str], list[str]]] = []
-    diff = difflib.unified_diff(code_lines(step.before), code_lines(step.script), lineterm="", n=0)
-    for line in diff:
-        if line.startswith("@@"):
-            result.append(([], []))
-        elif line.startswith(("-", "+")) and not line.startswith(("---", "+++")):
-            result[-1][0 if line[0] == "-" else 1].append(line[1:])
-    return result
+    """(removed, added) lines of each hunk of the diff, without context: the lines `diff -u`
+    shows. (difflib's default, autojunk, never pairs a line as common as a blank one inside a
+    change, and counts blank lines that `diff -u` leaves as context.)"""
+    before, after = code_lines(step.before), code_lines(step.script)
+    matcher = difflib.SequenceMatcher(None, before, after, autojunk=False)
+    return [
+        (
+            [line for tag, i1, i2, _, _ in group if tag != "equal" for line in before[i1:i2]],
+            [line for tag, _, _, j1, j2 in group if tag != "equal" for line in after[j1:j2]],
+        )
+        for group in matcher.get_grouped_opcodes(0)
+    ]
 
 
 @pytest.mark.parametrize("step", DIFFS, ids=lambda s: s.script)
@@ -50,6 +53,8 @@ def test_each_diff_shows_its_step_and_nothing_else(step: Step) -> None:
         assert not code or on_topic, f"{step.tag}: a hunk off the step's topic: {code}"
     changed = sum(len(minus) + len(plus) for minus, plus in diff)
     assert changed <= step.budget, f"{step.tag} changes {changed} lines, budget {step.budget}"
+    ceiling = CEILINGS.get(step.label, CEILING)
+    assert step.budget <= ceiling, f"{step.tag}: budget {step.budget} over the ceiling {ceiling}"
 
 
 @pytest.mark.parametrize("step", DIFFS, ids=lambda s: s.script)

@@ -20,7 +20,7 @@ from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
 from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 
 EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each epoch
-SNAPSHOT_SCRIPT = BY_LABEL["8"].script  # and within epochs: an exact resume mid-epoch
+SNAPSHOT_SCRIPT = BY_LABEL["9"].script  # and within epochs: an exact resume mid-epoch
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
 GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
