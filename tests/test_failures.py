@@ -20,7 +20,8 @@ from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
 from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 
 EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each epoch
-SNAPSHOT_SCRIPT = BY_LABEL["9"].script  # and within epochs: an exact resume mid-epoch
+STEP_SNAPSHOT_SCRIPT = BY_LABEL["8"].script  # and within epochs: the loader's place
+SNAPSHOT_SCRIPT = BY_LABEL["9"].script  # and each rank's random state: an exact resume
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
 GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
@@ -223,6 +224,40 @@ def test_epoch_snapshot_resumes_where_the_crash_left_it(tmp_path: Path) -> None:
     # momentum of epoch 1, the schedule and the random crops all came back.
     for key in ("train_loss", "train_acc", "test_acc"):
         assert resumed.epochs()[0][key] == crashed.epochs()[1][key], key
+
+
+def test_step_snapshot_resumes_at_the_step_it_left_off(tmp_path: Path) -> None:
+    """Step 8 under python, a world of one, 4 steps an epoch, a snapshot after every step: a
+    crash while epoch 2's second step is saved leaves its first step's snapshot; started again,
+    the run trains the 3 steps left of epoch 2, no image twice and none missed."""
+    snapshot = tmp_path / "s.pt"
+    command = [PYTHON, STEP_SNAPSHOT_SCRIPT, *TINY_RUN, "--epochs", "2", "--max-steps", "4"]
+    command += ["--snapshot", str(snapshot), "--snapshot-every", "1", "--checkpoint", ""]
+    runs = []
+    # Renames: epoch 1's steps 1-3 and its end (4), then epoch 2's step 1 (5) and step 2 (6).
+    for attempt, env in enumerate([{"DDP_PROBE_CRASH_AT_REPLACE": "6"}, {}]):
+        (tmp_path / f"probe{attempt}").mkdir()
+        run = launch(
+            command,
+            timeout=LAUNCH_TIMEOUT,
+            env=env,
+            probe_dir=tmp_path / f"probe{attempt}",
+            check=False,
+        )
+        runs.append(run)
+    crashed, resumed = runs
+    assert crashed.returncode == -9, f"the probe kills at the sixth rename\n{crashed.describe()}"
+    assert [int(e["train_samples"]) for e in crashed.epochs()] == [4 * 16], crashed.describe()
+    said = f"resumed from {snapshot}: 1 of 2 epochs, 1 steps done"
+    assert resumed.returncode == 0 and said in resumed.stdout, resumed.describe()
+    assert [(int(e["epoch"]), int(e["train_samples"])) for e in resumed.epochs()] == [(2, 3 * 16)]
+    # The loader's place came back: the resumed run draws the batch the crashed one drew second
+    # in epoch 2 (the same shuffle, from the step the snapshot holds), then two more, and never
+    # an image of the step the snapshot counts as done.
+    first_try = Probe.read(tmp_path / "probe0").indices(0, epoch=1)
+    again = Probe.read(tmp_path / "probe1").indices(0, epoch=1)
+    assert len(first_try) == 2 * 16 and len(set(again)) == 3 * 16, (first_try, again)
+    assert again[:16] == first_try[16:] and not set(again) & set(first_try[:16]), (first_try, again)
 
 
 @pytest.mark.slow  # shares the runs above
