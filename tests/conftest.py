@@ -130,6 +130,23 @@ def kill_tree(pid: int) -> list[int]:
     return victims
 
 
+def wait_until_in_place(
+    process: subprocess.Popen, in_place: Callable[[], bool], within: float
+) -> tuple[str, str] | None:
+    """The process's output if it ended before `in_place()` held, else None once it holds;
+    TimeoutExpired if neither happened within `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return process.communicate(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ValueError):  # a record half written as it was read
+                if in_place():
+                    return None
+            if time.monotonic() > deadline:
+                raise
+
+
 def launch(
     command: list[str],
     *,
@@ -141,12 +158,18 @@ def launch(
     check: bool = True,
     fail_on_timeout: bool = True,
     before_kill: Callable[[], None] | None = None,
+    in_place: Callable[[], bool] | None = None,
+    in_place_within: float = 120,
 ) -> Run:
     """Run a command in its own process group; on timeout call `before_kill` (e.g. to make
     every process dump its stacks), kill the whole group and everything below it, then fail
     (or, with fail_on_timeout=False, return a Run with timed_out set).
     probe_dir: the probe records into it; check_dir: the checker's recorder records into it
-    (first on the path: its sitecustomize loads the probe's after it)."""
+    (first on the path: its sitecustomize loads the probe's after it).
+    in_place: for a run that is meant to hang, the timeout counts from the moment this returns
+    True (polled twice a second; e.g. the probe saw every rank where it should wait), at most
+    `in_place_within` seconds after the start: a start-up slowed by a loaded machine costs no
+    test a longer fixed wait."""
     full_env = {
         k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"
     }  # let the scripts choose
@@ -173,8 +196,13 @@ def launch(
         text=True,
         start_new_session=True,
     )
+    waited, output = f"timed out after {timeout} s", None
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        if in_place:
+            waited = f"not in place after {in_place_within} s"
+            output = wait_until_in_place(process, in_place, in_place_within)
+            waited = f"timed out after {timeout} s in place"
+        stdout, stderr = output or process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         if before_kill is not None:
             before_kill()
@@ -186,7 +214,7 @@ def launch(
         if not fail_on_timeout:
             return Run(command, -9, stdout, stderr, timed_out=True)
         pytest.fail(
-            f"timed out after {timeout} s; killed {len(killed)} process(es)\n"
+            f"{waited}; killed {len(killed)} process(es)\n"
             + Run(command, -9, stdout, stderr).describe()
         )
     run = Run(command, process.returncode, stdout, stderr)

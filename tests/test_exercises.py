@@ -32,7 +32,7 @@ from autograder.run import (
     graded_targets,
     train,
 )
-from conftest import REPO, checker, with_environ
+from conftest import REPO, Probe, checker, with_environ
 from grade_mutants import MUTANTS, plant
 from mnist_data import (  # noqa: F401  (the *_root names are pytest fixtures)
     SMALL_TEST,
@@ -195,7 +195,7 @@ def test_planted_mistakes_fail_at_their_step_with_their_cause(
 STUCK_WORKER = (
     (
         "class Net(nn.Module):",
-        "def stuck(worker_id):\n    end = time.time() + 20\n"
+        "def stuck(worker_id):\n    end = time.time() + 60\n"
         "    while time.time() < end:\n        time.sleep(0.2)\n\n\nclass Net(nn.Module):",
     ),
     (
@@ -219,9 +219,20 @@ def test_grader_tells_a_hung_loader_worker_from_a_collective_some_ranks_skip(
     """A correct script whose loader worker hangs: rank 0 waits in the test all_reduce until
     its timeout. The report blames the worker, not the placement of the collective."""
     script = plant(SOLUTIONS["srun"], STUCK_WORKER, tmp_path / "stuck_worker.py")
-    # The job does not end by itself in time here (rank 0 times out in 10 s, yet the launch
-    # outlived 180 s): the launch's timeout ends it, and the report reads what the probe saw.
-    # 120 s: under the suite's own load a 45 s launch ended before the stuck worker started.
+
+    def stuck() -> bool:
+        # In place: rank 1's last record is a batch handed to its worker, while rank 0 has
+        # gone on to a collective that rank 1 has not reached. The job would not end by itself
+        # in time here (it outlived 180 s): 5 s later the launch's timeout ends it, within the
+        # stuck worker's 60 s.
+        probe = Probe.read(probe_dir)
+        records = {r: [e for e in probe.records if e["pid"] == p] for r, p in probe.ranks().items()}
+        if len(records) < 2 or not records[1]:
+            return False
+        calls = {r: sum(e["event"] == "collective" for e in got) for r, got in records.items()}
+        last = records[1][-1]
+        return last["event"] == "batch" and bool(last["workers"]) and calls[0] > calls[1]
+
     target = Target("srun", str(script))
     t = train(
         target,
@@ -231,7 +242,8 @@ def test_grader_tells_a_hung_loader_worker_from_a_collective_some_ranks_skip(
         1,
         SMALL,
         collective_timeout_s=10,
-        launch_timeout=120,
+        launch_timeout=5,
+        in_place=stuck,
     )
     text = report(grade(t), t)
     headline = text.splitlines()[0]

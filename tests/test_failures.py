@@ -309,27 +309,35 @@ def test_a_raising_rank_ends_the_job(launcher: str, tmp_path: Path, probe_dir: P
 
 # ---- a hang ends at the test's timeout, and no process outlives it -----------------------------
 
-# Seconds: far below the collective timeout (PyTorch's default, 30 minutes), so only the
-# test's own timeout can end the run; long enough for two launches side by side to start on a
-# loaded machine (rank 0 of mp.spawn was waiting after 19 s with the other pytest workers
-# running tests beside it, and had not got there after 40 s at a load average of 15).
-HANG_TIMEOUT = 90
+# Seconds the test waits once both ranks stand in place (rank 1 hanging, rank 0 waiting for
+# it): far below the collective timeout (PyTorch's default, 30 minutes), so only the test's own
+# timeout can end the run. Getting in place may take long on a loaded machine (rank 0 of
+# mp.spawn had not got there after 40 s at a load average of 15): up to IN_PLACE_WITHIN.
+HANG_TIMEOUT, IN_PLACE_WITHIN = 10, 150
 
 
 def hang(launcher: str, directory: Path) -> tuple[str, float, Probe]:
     """One launch whose rank 1 never reaches init_process_group: the failure report, the
-    seconds the launch took, and what the probe saw."""
+    seconds from both ranks in place to the launch's end, and what the probe saw."""
     probe_dir = directory / "probe"
     probe_dir.mkdir()
-    start = time.monotonic()
+    in_place = [0.0]
+
+    def both_in_place() -> bool:
+        events = {e["event"] for e in Probe.read(probe_dir).records}
+        in_place[0] = time.monotonic()
+        return {"hang", "waiting"} <= events
+
     with pytest.raises(pytest.fail.Exception) as failure:
         launch(
             [*TWO_RANKS[launcher], *TINY_RUN, "--checkpoint", str(directory / "model.pt")],
             timeout=HANG_TIMEOUT,
             env={"DDP_PROBE_HANG_RANK": "1"},
             probe_dir=probe_dir,
+            in_place=both_in_place,
+            in_place_within=IN_PLACE_WITHIN,
         )
-    return str(failure.value), time.monotonic() - start, Probe.read(probe_dir)
+    return str(failure.value), time.monotonic() - in_place[0], Probe.read(probe_dir)
 
 
 def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None:
@@ -344,8 +352,11 @@ def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None
         futures = {name: pool.submit(hang, name, folder) for name, folder in folders.items()}
         results = {name: future.result() for name, future in futures.items()}
     for launcher, (report, seconds, probe) in results.items():
-        assert report.startswith(f"timed out after {HANG_TIMEOUT} s"), (launcher, report[:500])
-        assert seconds < HANG_TIMEOUT + 10, f"{launcher}: the launch took {seconds:.0f} s to end"
+        assert report.startswith(f"timed out after {HANG_TIMEOUT} s in place"), (
+            launcher,
+            report[:500],
+        )
+        assert seconds < HANG_TIMEOUT + 10, f"{launcher}: it took {seconds:.0f} s in place to end"
         assert [e["rank"] for e in probe.events("hang")] == [1], (launcher, report)
         assert [e["rank"] for e in probe.events("waiting")] == [0], (
             f"{launcher}: rank 0 must wait for rank 1\n{report}"

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -275,9 +276,11 @@ def train(
     env: dict[str, str] | None = None,
     collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
     launch_timeout: int = LAUNCH_TIMEOUT,
+    in_place: Callable[[], bool] | None = None,
 ) -> Training:
     """Launch `target` on `data` for `epochs` with the probe and the checker's recorder;
-    workers=None keeps the script's default loader workers, as a learner runs it."""
+    workers=None keeps the script's default loader workers, as a learner runs it. in_place:
+    for a run meant to hang, launch_timeout counts from when it holds (conftest.launch)."""
     checkpoint = tmp_path / "ckpt" / "mnist_cnn.pt"
     script = REPO / target.script
     batch = max(1, GLOBAL_BATCH // target.world)
@@ -309,6 +312,7 @@ def train(
         check_dir=check_dir,
         check=False,
         fail_on_timeout=False,
+        in_place=in_place,
     )
     seconds = time.monotonic() - start
     announced = re.findall(r"^fake-srun: task (\d+) is pid (\d+)$", run.stderr, re.M)
