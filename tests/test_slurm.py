@@ -32,7 +32,14 @@ from conftest import (
     launch,
     missing,
 )
-from mnist_data import TEST_DIGITS, TRAIN_DIGITS, mnist_root  # noqa: F401  (mnist_root: a pytest fixture)
+from mnist_data import (  # noqa: F401  (mnist_root, small_root: pytest fixtures)
+    SMALL_TEST,
+    SMALL_TRAIN,
+    TEST_DIGITS,
+    TRAIN_DIGITS,
+    mnist_root,
+    small_root,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -359,7 +366,7 @@ def with_environment(
 def test_solution_job_script_trains_on_mnist(
     slurm: Cluster,
     script: str,
-    mnist_root: Path,  # noqa: F811
+    small_root: Path,  # noqa: F811
     tmp_path: Path,
     probe_dir: Path,
 ) -> None:
@@ -368,14 +375,17 @@ def test_solution_job_script_trains_on_mnist(
     # The default loader settings: worker processes feed each rank's batches. Under
     # --export=NONE, DATA_DIR too comes from the environment loaded in the job script.
     args = ["--epochs", "1", "--checkpoint", str(checkpoint)]
-    hooked = with_environment(script, tmp_path, probe_dir, {"DATA_DIR": str(mnist_root)})
+    # 400 training and 99 test digits: the job's lines are under test, not the learning.
+    hooked = with_environment(script, tmp_path, probe_dir, {"DATA_DIR": str(small_root)})
     job = submit(
         cluster, hooked, args, tmp_path, probe_dir=probe_dir, sbatch_options=("--export=NONE",)
     )
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
     processes = SOLUTION_JOBS[script]
     probe = Probe.read(probe_dir)
-    check_training_runs(job, probe, [processes], serial="serial" in script)
+    check_training_runs(
+        job, probe, [processes], serial="serial" in script, digits=(SMALL_TRAIN, SMALL_TEST)
+    )
     workers = {e["workers"] for e in probe.events("batch") if e["loader"] == 0}
     assert workers and 0 not in workers, f"training loader worker processes: {workers}"
     # With the defaults, a rank that waits for a collective the others never reach fails
@@ -385,14 +395,19 @@ def test_solution_job_script_trains_on_mnist(
     probe.assert_groups_released()
 
 
-def check_training_runs(job: Job, probe: Probe, runs: list[int], serial: bool = False) -> None:
-    """One epoch line per training run with global counts; every process in a world of its
-    run's size; one checkpoint per run, by rank 0 (no process group, no rank: serial)."""
+def check_training_runs(
+    job: Job,
+    probe: Probe,
+    runs: list[int],
+    serial: bool = False,
+    digits: tuple[int, int] = (TRAIN_DIGITS, TEST_DIGITS),
+) -> None:
+    """One epoch line per training run with global counts of `digits` (training, test); every
+    process in a world of its run's size; one checkpoint per run, by rank 0 (no process group,
+    no rank: serial)."""
     epochs = job.run.epochs()
     assert len(epochs) == len(runs), f"one epoch line per training run\n{job.describe()}"
-    assert all(
-        (e["train_samples"], e["test_samples"]) == (TRAIN_DIGITS, TEST_DIGITS) for e in epochs
-    ), job.describe()
+    assert all((e["train_samples"], e["test_samples"]) == digits for e in epochs), job.describe()
     worlds = sorted(e["world_size"] for e in probe.events("init"))
     assert worlds == ([] if serial else [n for n in runs for _ in range(n)]), (
         f"world size of every process: {worlds}"
