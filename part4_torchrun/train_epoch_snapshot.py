@@ -221,6 +221,8 @@ def main(args: argparse.Namespace) -> None:  # step 6
     start_epoch = scheduler.last_epoch  # step 7: it counts the epochs done
     if os.path.exists(args.snapshot) and rank == 0:
         done = f"{start_epoch} of {args.epochs} epochs done"
+        if start_epoch == args.epochs:  # step 7: a finished run's snapshot
+            done += ": nothing to train (remove it or raise --epochs)"
         log(f"resumed from {args.snapshot}: {done}")
 
     for epoch in range(start_epoch, args.epochs):  # step 7

@@ -243,7 +243,7 @@ STEPS = [
         "torchrun",
         "a snapshot every epoch; a restart resumes",
         ("os.replace(", "load_state_dict(", "range(start_epoch"),
-        27,
+        29,
         checks_gpus=True,
     ),
     Step(

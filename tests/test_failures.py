@@ -439,7 +439,10 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
     assert len(results) == len(cases) + 1, run.describe()
     assert results.pop()["code"] == 0, run.describe()
-    said = f"resumed from {finished}: 3 of 3 epochs done"
+    said = (
+        f"resumed from {finished}: 3 of 3 epochs done:"
+        " nothing to train (remove it or raise --epochs)"
+    )
     assert [line for line in run.stdout.splitlines() if "resumed" in line] == [said], run.describe()
     assert "epoch 1/3" not in run.stdout and "epoch 3/3" not in run.stdout, run.describe()
     for (script, args, expected), result in zip(cases, results, strict=True):
