@@ -222,7 +222,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
     if os.path.exists(args.snapshot) and rank == 0:
         done = f"{start_epoch} of {args.epochs} epochs done"
         if start_epoch == args.epochs:  # step 7: a finished run's snapshot
-            done += ": nothing to train (remove it or raise --epochs)"
+            done += ": nothing to train (remove it or name another)"
         log(f"resumed from {args.snapshot}: {done}")
 
     for epoch in range(start_epoch, args.epochs):  # step 7

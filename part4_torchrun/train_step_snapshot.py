@@ -236,7 +236,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
     if os.path.exists(args.snapshot) and rank == 0:
         done = f"{start_epoch} of {args.epochs} epochs, {first_step} steps done"
         if start_epoch == args.epochs:  # step 7: a finished run's snapshot
-            done += ": nothing to train (remove it or raise --epochs)"
+            done += ": nothing to train (remove it or name another)"
         log(f"resumed from {args.snapshot}: {done}")
 
     # step 8: an epoch's steps, and the saver the training loop calls

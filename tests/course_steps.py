@@ -82,6 +82,7 @@ FAST3 = "part4_torchrun/train_fast3_workers.py"  # has every speed flag
 SNAP1 = "part4_torchrun/train_epoch_snapshot.py"
 SNAP2 = "part4_torchrun/train_step_snapshot.py"  # resumes mid-epoch
 SNAP3 = "part4_torchrun/train_snapshot.py"  # resumes exactly, mid-epoch
+SNAP4 = "part4_torchrun/train_snapshot_checked.py"  # resumes its own run's snapshot only
 SPINE = {"max_lines": SPINE_LINES, "spine": True}
 # What every quick run of the DDP steps shows, from step 1 on.
 IN_A_GROUP = (
@@ -266,6 +267,17 @@ STEPS = [
         "an exact resume: each rank's random state, the loader's own",
         ("all_gather_object(", "set_rng_state(", "generator="),
         11,
+        checks_gpus=True,
+    ),
+    Step(
+        "10",
+        SNAP4,
+        SNAP3,
+        "step 10",
+        "torchrun",
+        "a snapshot that belongs to its run: recorded, checked, locked",
+        ("fcntl.flock(", "is another run's", ".tmp"),
+        30,
         checks_gpus=True,
     ),
 ]

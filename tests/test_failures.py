@@ -22,6 +22,7 @@ from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each epoch
 STEP_SNAPSHOT_SCRIPT = BY_LABEL["8"].script  # and within epochs: the loader's place
 SNAPSHOT_SCRIPT = BY_LABEL["9"].script  # and each rank's random state: an exact resume
+CHECKED_SNAPSHOT_SCRIPT = BY_LABEL["10"].script  # and a snapshot that belongs to its run
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
 GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
@@ -440,8 +441,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     assert len(results) == len(cases) + 1, run.describe()
     assert results.pop()["code"] == 0, run.describe()
     said = (
-        f"resumed from {finished}: 3 of 3 epochs done:"
-        " nothing to train (remove it or raise --epochs)"
+        f"resumed from {finished}: 3 of 3 epochs done: nothing to train (remove it or name another)"
     )
     assert [line for line in run.stdout.splitlines() if "resumed" in line] == [said], run.describe()
     assert "epoch 1/3" not in run.stdout and "epoch 3/3" not in run.stdout, run.describe()
@@ -451,6 +451,90 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
         )
         assert_one_clear_line(result["stderr"], *expected)
     assert made.is_dir(), "the checkpoint's folder is made before the data is read"
+
+
+# Runs step 10 as `python script.py ARGS` would, case after case in one process; after each,
+# what the process's exit would do: its process group and its snapshot lock go. A case may first
+# write a file (a crash's half snapshot) or hold the lock itself (another run).
+IDENTITY_DRIVER = r"""
+import contextlib, fcntl, hashlib, io, json, os, runpy, sys
+import torch.distributed as dist
+script, snapshot, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for args, write, hold in cases:
+    if write:
+        with open(write, "wb") as half:
+            half.write(b"half a snapshot")
+    held = os.open(hold, os.O_CREAT | os.O_RDWR) if hold else None
+    if held is not None:
+        fcntl.flock(held, fcntl.LOCK_EX)
+    sys.argv, err = [script, *args], io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as exit:
+            code = 1 if isinstance(exit.code, str) else exit.code
+            err.write(exit.code + "\n" if isinstance(exit.code, str) else "")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for fd in {int(fd) for fd in os.listdir("/proc/self/fd")} - {held}:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == snapshot + ".lock":
+                os.close(fd)
+    if held is not None:
+        os.close(held)
+    digest = hashlib.sha256(open(snapshot, "rb").read()).hexdigest()
+    left = sorted(os.listdir(os.path.dirname(snapshot)))
+    case = {"code": code, "stderr": err.getvalue(), "digest": digest, "files": left}
+    print("CASE " + json.dumps(case), flush=True)
+"""
+
+
+def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
+    """Step 10: a snapshot records the run that wrote it. A run with another model, seed, batch
+    size, number of epochs or world size stops in one line naming the setting and both values,
+    and leaves the snapshot as it was; a second run cannot use a snapshot whose run is still
+    going (its lock); a crash's half-written file is removed at the next start."""
+    snapshot, tmp = tmp_path / "s.pt", tmp_path / "s.pt.tmp"
+    base = [*TINY_RUN, "--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
+    base += ["--checkpoint", ""]
+    refused = {  # arguments after the base (argparse keeps the last) -> what the line says
+        ("--batch-size", "8"): "batch_size 16 there, 8 here",
+        ("--model", "resnet18"): "model test_resnet there, resnet18 here",
+        ("--seed", "1"): "seed 0 there, 1 here",
+        ("--epochs", "2"): "epochs 1 there, 2 here",
+    }
+    cases = [[base, None, None]]  # trains, and leaves its snapshot
+    cases += [[[*base, *extra], None, None] for extra in refused]
+    cases += [[base, None, f"{snapshot}.lock"]]  # while another run holds the lock
+    cases += [[base, str(tmp), None]]  # after a crash that left half a file: resumes
+    run = launch(
+        [PYTHON, "-c", IDENTITY_DRIVER, CHECKED_SNAPSHOT_SCRIPT, str(snapshot), json.dumps(cases)],
+        timeout=LAUNCH_TIMEOUT,
+    )
+    results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(results) == len(cases), run.describe()
+    first, *others, locked, after_crash = results
+    assert first["code"] == 0, first["stderr"]
+    for said, result in zip(refused.values(), others, strict=True):
+        assert result["code"] == 1, result
+        assert_one_clear_line(result["stderr"], f"{snapshot} is another run's: {said}")
+    assert locked["code"] == 1, locked
+    assert_one_clear_line(locked["stderr"], f"another run is using {snapshot}")
+    # Refused runs leave the snapshot as it was; the run after the crash found its own
+    # (finished) snapshot, and the half file is gone.
+    assert {r["digest"] for r in results} == {first["digest"]}, results
+    resumed = f"resumed from {snapshot}: 1 of 1 epochs, 0 steps done: nothing to train"
+    assert after_crash["code"] == 0 and resumed in run.stdout, run.describe()
+    assert "s.pt.tmp" not in after_crash["files"] and not tmp.exists(), after_crash["files"]
+    # Another world size: both ranks of a torchrun stop at once, and so does the job.
+    resume = launch(
+        [*TORCHRUN_2, CHECKED_SNAPSHOT_SCRIPT, *base], timeout=LAUNCH_TIMEOUT, check=False
+    )
+    assert resume.returncode != 0 and not resume.timed_out, resume.describe()
+    said = f"error: {snapshot} is another run's: world_size 1 there, 2 here"
+    assert said in resume.stdout + resume.stderr, resume.describe()
+    assert "epoch 1/1" not in resume.stdout, resume.describe()
 
 
 def test_a_wrong_argument_under_torchrun_is_said_once() -> None:
