@@ -276,8 +276,10 @@ STEPS = [
         "step 10",
         "torchrun",
         "a snapshot that belongs to its run: recorded, checked, locked",
-        ("fcntl.flock(", "is another run's", ".tmp"),
+        ("fcntl.flock(", "is another run's", ".tmp", "dict, run", "state, run"),
         30,
+        # the longest script: step 9's 291 lines and its own 18
+        max_lines=310,
         checks_gpus=True,
     ),
 ]
