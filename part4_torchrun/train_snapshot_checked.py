@@ -186,16 +186,6 @@ def save_snapshot(path: str, state: dict, run, every=1, step=0) -> None:
 
 def main(args: argparse.Namespace) -> None:  # step 6
     rank, local_rank, world_size, local_world_size = read_launcher_env()
-    # step 10: one run at a time per snapshot: rank 0 locks it; the lock ends
-    # with the process, so a restart after a crash takes it again
-    if rank == 0:
-        lock = os.open(args.snapshot + ".lock", os.O_CREAT | os.O_RDWR)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            sys.exit(f"error: another run is using {args.snapshot}")
-        if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
-            os.remove(args.snapshot + ".tmp")
     # step 1: NCCL and a GPU per process; else gloo, the cores shared
     if torch.cuda.is_available():
         # step 4: one GPU per process
@@ -206,6 +196,16 @@ def main(args: argparse.Namespace) -> None:  # step 6
     elif "OMP_NUM_THREADS" not in os.environ:
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
+    # step 10: one run at a time per snapshot: rank 0 locks it; the lock ends
+    # with the process, so a restart after a crash takes it again
+    if rank == 0:
+        lock = os.open(args.snapshot + ".lock", os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"error: another run is using {args.snapshot}")
+        if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
+            os.remove(args.snapshot + ".tmp")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     # Same seed, same initial weights and the same data order on every run.
