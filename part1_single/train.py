@@ -148,7 +148,6 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"device={device} threads={threads}")
-
     train_set, test_set = build_datasets(args, download=True)
     train_loader = DataLoader(train_set, args.batch_size, shuffle=True)
     test_loader = DataLoader(test_set, args.batch_size)
@@ -172,7 +171,6 @@ def main(args: argparse.Namespace) -> None:
         test = evaluate(model, test_loader, device, args.max_steps).tolist()
         scheduler.step()
         log(epoch_line(epoch, args.epochs, train, test, seconds))
-
     if args.checkpoint:
         save_checkpoint(model, args.checkpoint)
 

@@ -148,7 +148,6 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"device={device} threads={threads}")
-
     train_set, test_set = build_datasets(args, download=True)
     train_loader = DataLoader(train_set, args.batch_size, shuffle=True)
     test_loader = DataLoader(test_set, args.batch_size)
@@ -176,7 +175,6 @@ def main(args: argparse.Namespace) -> None:
         test = evaluate(model, test_loader, device, args.max_steps).tolist()
         scheduler.step()
         log(epoch_line(epoch, args.epochs, train, test, seconds))
-
     if args.checkpoint:
         # DP: save the model inside the wrapper, or keys start with "module."
         save_checkpoint(model.module, args.checkpoint)

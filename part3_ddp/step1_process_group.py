@@ -159,7 +159,6 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
-
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
@@ -187,7 +186,6 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-
     if args.checkpoint and rank == 0:  # step 1: one writer
         save_checkpoint(model, args.checkpoint)
     dist.destroy_process_group()  # step 1

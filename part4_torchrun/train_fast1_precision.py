@@ -190,7 +190,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
-
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
@@ -239,7 +238,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-
     if args.checkpoint and rank == 0:  # step 1: one writer
         # step 5: save the model inside DDP's wrapper: keys without "module."
         save_checkpoint(model.module, args.checkpoint)

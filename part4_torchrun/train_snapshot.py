@@ -43,9 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint", default="checkpoint.pt", help="'': none"
     )
-    parser.add_argument(
-        "--snapshot", default="snapshot.pt", help="resume from, save to"
-    )  # step 7
+    parser.add_argument("--snapshot", default="snapshot.pt")  # step 7
     parser.add_argument("--snapshot-every", type=int, default=100)  # step 8
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
@@ -204,7 +202,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
-
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
@@ -272,7 +269,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
             save_snapshot(args.snapshot, state)  # step 7
-
     if args.checkpoint and rank == 0:  # step 1: one writer
         # step 5: save the model inside DDP's wrapper: keys without "module."
         save_checkpoint(model.module, args.checkpoint)

@@ -244,7 +244,7 @@ STEPS = [
         "torchrun",
         "a snapshot every epoch; a restart resumes",
         ("os.replace(", "load_state_dict(", "range(start_epoch"),
-        29,
+        27,
         checks_gpus=True,
     ),
     Step(

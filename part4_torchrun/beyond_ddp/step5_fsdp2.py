@@ -181,7 +181,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
-
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
@@ -226,7 +225,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-
     # FSDP2: all ranks gather the whole weights; rank 0 gets them, on the CPU
     full = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
     whole = dcp_state.get_model_state_dict(model, options=full)

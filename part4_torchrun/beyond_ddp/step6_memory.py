@@ -181,7 +181,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
-
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
@@ -226,7 +225,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
-
     # FSDP2: bytes this rank holds: its shards of weights, grads, momentum
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]

@@ -200,7 +200,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
-
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
@@ -252,7 +251,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
                 dist.broadcast(buffer, src=0)
             state = sharded_state(model, optimizer, scheduler)
             dcp.save(state, checkpoint_id=f"{args.sharded}/epoch_{epoch + 1}")
-
     # FSDP2: bytes this rank holds: its shards of weights, grads, momentum
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
