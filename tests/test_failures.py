@@ -370,9 +370,20 @@ def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None
 
 # Runs scripts as `python script.py ARGS` would (run_name "__main__"), several in one process, so
 # torch and timm are imported once; each case reports its exit code and what it wrote to stderr.
+# After each, what the process's exit would do: its process group and its snapshot's lock go. A
+# case with a "snapshot" may first write a file (a crash's half snapshot) or hold the snapshot's
+# lock itself (another run), and reports the snapshot's digest and its folder's files.
 DRIVER = r"""
-import contextlib, io, json, runpy, sys, traceback
-for script, args in json.loads(sys.argv[1]):
+import contextlib, fcntl, hashlib, io, json, os, runpy, sys, traceback
+import torch.distributed as dist
+for case in json.loads(sys.argv[1]):
+    script, args, snapshot = case["script"], case["args"], case.get("snapshot")
+    if case.get("write"):
+        with open(case["write"], "wb") as half:
+            half.write(b"half a snapshot")
+    held = os.open(snapshot + ".lock", os.O_CREAT | os.O_RDWR) if case.get("hold") else None
+    if held is not None:
+        fcntl.flock(held, fcntl.LOCK_EX)
     sys.argv, err = [script, *args], io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -385,8 +396,19 @@ for script, args in json.loads(sys.argv[1]):
         except BaseException:
             traceback.print_exc()
             code = "exception"
-    case = {"script": script, "args": args, "code": code, "stderr": err.getvalue()}
-    print("CASE " + json.dumps(case), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for fd in {int(fd) for fd in os.listdir("/proc/self/fd")} - {held}:
+        with contextlib.suppress(OSError):
+            if snapshot and os.readlink(f"/proc/self/fd/{fd}") == snapshot + ".lock":
+                os.close(fd)
+    if held is not None:
+        os.close(held)
+    result = {"script": script, "args": args, "code": code, "stderr": err.getvalue()}
+    if snapshot:
+        result["digest"] = hashlib.sha256(open(snapshot, "rb").read()).hexdigest()
+        result["files"] = sorted(os.listdir(os.path.dirname(snapshot)))
+    print("CASE " + json.dumps(result), flush=True)
 """
 
 
@@ -432,7 +454,12 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
             PYTHON,
             "-c",
             DRIVER,
-            json.dumps([*([s, a] for s, a, _ in cases), [EPOCH_SNAPSHOT_SCRIPT, rerun]]),
+            json.dumps(
+                [
+                    *({"script": s, "args": a} for s, a, _ in cases),
+                    {"script": EPOCH_SNAPSHOT_SCRIPT, "args": rerun},
+                ]
+            ),
         ],
         timeout=LAUNCH_TIMEOUT,
         env=offline,
@@ -453,43 +480,6 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     assert made.is_dir(), "the checkpoint's folder is made before the data is read"
 
 
-# Runs step 10 as `python script.py ARGS` would, case after case in one process; after each,
-# what the process's exit would do: its process group and its snapshot lock go. A case may first
-# write a file (a crash's half snapshot) or hold the lock itself (another run).
-IDENTITY_DRIVER = r"""
-import contextlib, fcntl, hashlib, io, json, os, runpy, sys
-import torch.distributed as dist
-script, snapshot, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-for args, write, hold in cases:
-    if write:
-        with open(write, "wb") as half:
-            half.write(b"half a snapshot")
-    held = os.open(hold, os.O_CREAT | os.O_RDWR) if hold else None
-    if held is not None:
-        fcntl.flock(held, fcntl.LOCK_EX)
-    sys.argv, err = [script, *args], io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            code = 1 if isinstance(exit.code, str) else exit.code
-            err.write(exit.code + "\n" if isinstance(exit.code, str) else "")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for fd in {int(fd) for fd in os.listdir("/proc/self/fd")} - {held}:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}") == snapshot + ".lock":
-                os.close(fd)
-    if held is not None:
-        os.close(held)
-    digest = hashlib.sha256(open(snapshot, "rb").read()).hexdigest()
-    left = sorted(os.listdir(os.path.dirname(snapshot)))
-    case = {"code": code, "stderr": err.getvalue(), "digest": digest, "files": left}
-    print("CASE " + json.dumps(case), flush=True)
-"""
-
-
 def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     """Step 10: a snapshot records the run that wrote it. A run with another model, seed, batch
     size, number of epochs or world size stops in one line naming the setting and both values,
@@ -504,14 +494,12 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
         ("--seed", "7"): "seed 0 there, 7 here",
         ("--epochs", "2"): "epochs 1 there, 2 here",
     }
-    cases = [[base, None, None]]  # trains, and leaves its snapshot
-    cases += [[[*base, *extra], None, None] for extra in refused]
-    cases += [[base, None, f"{snapshot}.lock"]]  # while another run holds the lock
-    cases += [[base, str(tmp), None]]  # after a crash that left half a file: resumes
-    run = launch(
-        [PYTHON, "-c", IDENTITY_DRIVER, CHECKED_SNAPSHOT_SCRIPT, str(snapshot), json.dumps(cases)],
-        timeout=LAUNCH_TIMEOUT,
-    )
+    case = {"script": CHECKED_SNAPSHOT_SCRIPT, "args": base, "snapshot": str(snapshot)}
+    cases = [case]  # trains, and leaves its snapshot
+    cases += [{**case, "args": [*base, *extra]} for extra in refused]
+    cases += [{**case, "hold": True}]  # while another run holds the lock
+    cases += [{**case, "write": str(tmp)}]  # after a crash that left half a file: resumes
+    run = launch([PYTHON, "-c", DRIVER, json.dumps(cases)], timeout=LAUNCH_TIMEOUT)
     results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
     assert len(results) == len(cases), run.describe()
     first, *others, locked, after_crash = results
