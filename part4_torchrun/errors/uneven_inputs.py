@@ -131,6 +131,16 @@ def worker(
     dist.destroy_process_group()
 
 
+def run(rank: int, *rest) -> None:
+    # mp.spawn shows the error of one rank only, whichever it notices first:
+    # each rank says its own, so the one that timed out is always seen.
+    try:
+        worker(rank, *rest)
+    except RuntimeError as error:
+        sys.stderr.write(f"rank {rank}: {type(error).__name__}: {error}\n")
+        raise
+
+
 if __name__ == "__main__":
     args = parse_args()
     # fork: the ranks inherit the imported torch and start at once (Linux;
@@ -144,7 +154,7 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as directory:
         rendezvous = "file://" + os.path.join(directory, "rendezvous")
         mp.start_processes(
-            worker,
+            run,
             (WORLD_SIZE, rendezvous, args),
             nprocs=WORLD_SIZE,
             start_method=method,
