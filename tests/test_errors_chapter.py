@@ -4,16 +4,19 @@ troubleshooting page indexes, and with its fix, where it passes and its numbers 
 Every message in the page's index is asserted against a real run of the script it links to.
 
 All launches run once, a few at a time (a module fixture): a hang mostly waits, and the scripts
-fork their two ranks from a parent that imported torch, so each launch costs about one import."""
+fork their two ranks from a parent that imported torch. That parent is forked in turn from one
+that imported torch once for all of them (tests/warm_python.py): a launch costs its own work."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TORCHRUN, Run, launch
+from conftest import PYTHON, REPO, TORCHRUN, Run, kill_tree, launch
 
 CHAPTER = "part4_torchrun/errors"
 README = Path(CHAPTER) / "README.md"
@@ -26,8 +29,13 @@ TORCHRUN_2 = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 TIMED_OUT = "Timed out waiting 5000ms for recv operation to complete"
 
 
+WARM = [PYTHON, "tests/warm_python.py"]
+
+
 def script(name: str, *args: str) -> list[str]:
-    return [PYTHON, f"{CHAPTER}/{name}", *args]
+    """`python SCRIPT ARGS`, forked from the warm interpreter (SOCKET: `runs` puts its socket's
+    path there)."""
+    return [*WARM, "run", "SOCKET", f"{CHAPTER}/{name}", *args]
 
 
 # name: (command, extra environment); the hangs first, so that their waits overlap the rest.
@@ -66,16 +74,35 @@ LAUNCHES: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
+# One thread per rank: two ranks on two cores, several launches at once.
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    path = str(tmp_path_factory.mktemp("warm") / "socket")
+    server = subprocess.Popen(
+        [*WARM, "serve", path],
+        cwd=REPO,
+        env={**os.environ, **THREADS, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
     def one(name: str) -> Run:
         command, env = LAUNCHES[name]
-        # One thread per rank: two ranks on two cores, several launches at once.
-        return launch(command, timeout=TIMEOUT, env={"OMP_NUM_THREADS": "1", **env}, check=False)
+        command = [path if word == "SOCKET" else word for word in command]
+        return launch(command, timeout=TIMEOUT, env={**THREADS, **env}, check=False)
 
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {name: pool.submit(one, name) for name in LAUNCHES}
-        return {name: future.result() for name, future in futures.items()}
+    try:
+        assert server.stdout.readline() == "ready\n", "the warm interpreter did not start"
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            futures = {name: pool.submit(one, name) for name in LAUNCHES}
+            return {name: future.result() for name, future in futures.items()}
+    finally:
+        kill_tree(server.pid)
+        server.wait()
 
 
 def output(run: Run) -> str:
