@@ -85,6 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         [*WARM, "serve", path],
         cwd=REPO,
         env={**os.environ, **THREADS, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
