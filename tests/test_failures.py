@@ -488,11 +488,13 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     snapshot, tmp = tmp_path / "s.pt", tmp_path / "s.pt.tmp"
     base = [*TINY_RUN, "--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
     base += ["--checkpoint", ""]
-    refused = {  # arguments after the base (argparse keeps the last) -> what the line says
-        ("--batch-size", "8"): "batch_size 16 there, 8 here",
-        ("--model", "resnet18"): "model test_resnet there, resnet18 here",
-        ("--seed", "7"): "seed 0 there, 7 here",
-        ("--epochs", "2"): "epochs 1 there, 2 here",
+    # arguments after the base (argparse keeps the last) -> the setting, its value in the
+    # snapshot, its value in this run: the line says "NAME THERE there, HERE here"
+    refused = {
+        ("--batch-size", "8"): ("batch_size", 16, 8),
+        ("--model", "resnet18"): ("model", "test_resnet", "resnet18"),
+        ("--seed", "7"): ("seed", 0, 7),
+        ("--epochs", "2"): ("epochs", 1, 2),
     }
     case = {"script": CHECKED_SNAPSHOT_SCRIPT, "args": base, "snapshot": str(snapshot)}
     cases = [case]  # trains, and leaves its snapshot
@@ -504,9 +506,10 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     assert len(results) == len(cases), run.describe()
     first, *others, locked, after_crash = results
     assert first["code"] == 0, first["stderr"]
-    for said, result in zip(refused.values(), others, strict=True):
+    for (name, there, here), result in zip(refused.values(), others, strict=True):
         assert result["code"] == 1, result
-        assert_one_clear_line(result["stderr"], f"{snapshot} is another run's: {said}")
+        said = f"{snapshot} is another run's: {name} {there} there, {here} here"
+        assert_one_clear_line(result["stderr"], said)
     assert locked["code"] == 1, locked
     assert_one_clear_line(locked["stderr"], f"another run is using {snapshot}")
     # Refused runs leave the snapshot as it was; the run after the crash found its own
