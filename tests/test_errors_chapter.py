@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,7 +98,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         return launch(command, timeout=TIMEOUT, env={**THREADS, **env}, check=False)
 
     try:
-        assert server.stdout.readline() == "ready\n", "the warm interpreter did not start"
+        # It prints "ready" once it imported torch and listens (seconds); a start-up that
+        # hangs ends the test here, not at pytest-timeout's last resort.
+        ready, _, _ = select.select([server.stdout], [], [], TIMEOUT)
+        line = server.stdout.readline() if ready else "(nothing)"
+        assert line == "ready\n", f"the warm interpreter did not start within {TIMEOUT} s: {line}"
         with ThreadPoolExecutor(PARALLEL) as pool:
             futures = {name: pool.submit(one, name) for name in LAUNCHES}
             return {name: future.result() for name, future in futures.items()}
