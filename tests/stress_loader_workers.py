@@ -18,7 +18,7 @@ and the harness checks that nothing is left.
     python tests/stress_loader_workers.py -n 40 --load 1
     python tests/stress_loader_workers.py -n 40 --load 1 --script path/to/other_train.py --workers 4
     python tests/stress_loader_workers.py -n 40 --script solutions/mnist_classify_ddp.py
-    python tests/stress_loader_workers.py -n 40 --script part4_torchrun/train_fast3_workers.py \
+    python tests/stress_loader_workers.py -n 40 --script part4_torchrun/speed/speed3_workers.py \
         --workers 2 --max-steps 2
 """
 

@@ -4,6 +4,7 @@ are flags the scripts define. (The commands themselves run in the other test fil
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import shlex
 from functools import cache
@@ -185,3 +186,68 @@ def test_readme_walks_every_hunk(step) -> None:
         changed = [line.rstrip() for line in changed if line[1:].strip()]
         imports = all(line[1:].startswith(("import ", "from ")) for line in changed)
         assert imports or set(changed) & quoted, f"{step.script}: a hunk not walked: {changed}"
+
+
+# ---- every page and job script: the files it names and the anchors it links ---------------------
+PAGES = sorted(
+    p.relative_to(REPO)
+    for pattern in ("**/*.md", "**/*.sbatch")
+    for p in REPO.glob(pattern)
+    if not any(part.startswith(".") for part in p.relative_to(REPO).parts)
+)
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation out (hyphens and
+    underscores kept), spaces to hyphens, a repeated one numbered."""
+    found: set[str] = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if not re.match(r"#{1,6} ", line):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        n, unique = 0, slug
+        while unique in found:
+            n += 1
+            unique = f"{slug}-{n}"
+        found.add(unique)
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=str)
+def test_pages_and_job_scripts_name_no_missing_file(page: Path) -> None:
+    """A path with a folder in it, anywhere on a page or in a job script (prose, code, comments),
+    names a file that exists: from the repository root, where the commands run, or from the
+    page's folder. A renamed or moved script leaves no old name behind."""
+    text = (REPO / page).read_text()
+    base = (REPO / page).parent
+    # not a URL's tail (https://github.com/.../file.py), an elided path (.../file.py) or a shell
+    # default's dash (${SCRIPT:-solutions/...})
+    named = {
+        m.lstrip("-") for m in re.findall(r"(?<![\w./:-])-?" + SCRIPT.pattern, text) if "/" in m
+    }
+    named = {n for n in named if not n.startswith(("//", "..."))}
+    # torch's own sources, as a page cites them (torch/distributed/...): in the installed torch
+    torch_root = Path(importlib.util.find_spec("torch").origin).parent.parent
+    missing = sorted(
+        n for n in named if not any((root / n).exists() for root in (REPO, base, torch_root))
+    )
+    assert not missing, f"{page} names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.suffix == ".md"], ids=str)
+def test_links_land_on_a_heading(page: Path) -> None:
+    """Every link to a page of the course, with or without #anchor, lands on the page and on
+    one of its headings."""
+    text = FENCE.sub("", (REPO / page).read_text())
+    base = (REPO / page).parent
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path = (base / target) if target else (REPO / page)
+        if not path.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target}#{anchor} (no such heading)")
+    assert not broken, f"{page}: broken links: {broken}"

@@ -1,7 +1,7 @@
 """Benchmark: samples/s of the course's scripts, per launcher, world size, threads and flag.
 
 The companion of the speed steps. Its "flags" suite times the last of them,
-part4_torchrun/train_fast3_workers.py, which has every speed flag: in plain fp32 eager with no
+part4_torchrun/speed/speed3_workers.py, which has every speed flag: in plain fp32 eager with no
 loader workers, then with one speed flag at a time (--precision bf16 or fp16, --channels-last,
 --compile, --workers 4), then with all of them (its defaults on a GPU). The "parts" suite times
 every script of the course as written; "scaling" times DDP under torchrun at 1..--max-procs
@@ -55,7 +55,7 @@ CIFAR_SCRIPTS = {
     "part4": ("part4_torchrun/train.py", "torchrun"),
 }
 PART1, PART4 = CIFAR_SCRIPTS["part1"][0], CIFAR_SCRIPTS["part4"][0]
-FAST = "part4_torchrun/train_fast3_workers.py"  # the last speed step: all flags
+FAST = "part4_torchrun/speed/speed3_workers.py"  # the last speed step: all flags
 
 
 def fast_flags(precision="fp32", layout="--no-channels-last", graph="--no-compile", workers=0):
