@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import difflib
+import re
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -101,3 +103,51 @@ def test_scripts_share_function_order(step: Step) -> None:
     base = functions(step.before)
     present = [name for name in functions(step.script) if name in base]
     assert present == base, f"{step.script}: {step.before}'s functions missing or moved: {present}"
+
+
+# ---- every teaching script at 80 columns, the formatter's setting included ----------------------
+# The tools and the checker are not read on a projector: the house width (100), as the tests.
+TOOLS = ("part4_torchrun/tools/", "part4_torchrun/your_script/checker/")
+TEACHING = sorted(
+    p.relative_to(REPO).as_posix()
+    for pattern in ("part*/**/*.py", "exercises/*.py", "solutions/*.py")
+    for p in REPO.glob(pattern)
+    if not p.relative_to(REPO).as_posix().startswith(TOOLS)
+)
+
+
+def ruff_width(script: str) -> int:
+    """The line length that the ruff.toml nearest the script sets (ruff's own rule)."""
+    folder = (REPO / script).parent
+    while not (folder / "ruff.toml").exists():
+        assert folder != REPO, f"{script}: no ruff.toml sets its width"
+        folder = folder.parent
+    return int(re.search(r"^line-length = (\d+)", (folder / "ruff.toml").read_text(), re.M)[1])
+
+
+@pytest.mark.parametrize("script", TEACHING)
+def test_every_teaching_script_fits_80_columns(script: str) -> None:
+    """The experiments, the chapters' scripts and the solutions too: no line wraps on a terminal
+    or a projector, and the formatter keeps it so (`ruff format --check` in CI)."""
+    lines = (REPO / script).read_text().splitlines()
+    wide = [n for n, line in enumerate(lines, 1) if len(line) > MAX_WIDTH]
+    assert not wide, f"{script}: lines over {MAX_WIDTH} columns: {wide}"
+    assert ruff_width(script) <= MAX_WIDTH, f"{script}: its ruff.toml allows wider lines"
+
+
+def test_part4_lists_step6_and_one_folder_per_chapter() -> None:
+    """`ls part4_torchrun` shows step 6, its README and folders; in each chapter's folder `ls`
+    lists the steps in course order."""
+    part4 = REPO / "part4_torchrun"
+    files = sorted(p.name for p in part4.iterdir() if p.is_file())
+    assert files == ["README.md", "ruff.toml", "train.py"], files
+    for chapter in [
+        [s for s in STEPS if s.label.startswith("speed")],
+        [s for s in STEPS if s.label.isdigit() and int(s.label) >= 7],
+        BEYOND_STEPS,
+    ]:
+        folders = {Path(s.script).parent for s in chapter}
+        assert len(folders) == 1, f"one chapter, several folders: {folders}"
+        (folder,) = folders
+        listed = sorted(p.name for p in (REPO / folder).glob("*.py") if p.name.startswith("s"))
+        assert listed == [Path(s.script).name for s in chapter], f"{folder}: `ls` order {listed}"

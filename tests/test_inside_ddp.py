@@ -366,3 +366,23 @@ def test_notebook_runs_end_to_end(notebook: str, run_notebook) -> None:
 
 def test_notebooks_exist() -> None:
     assert "part3_ddp/experiments/inside_ddp.ipynb" in NOTEBOOKS
+
+
+def test_when_ddp_copies_rank0s_state() -> None:
+    """DDP copies rank 0's buffers before a forward that follows a training forward, and its
+    weights only when it is built (torch 2.15): what the course's evaluation through the wrapper
+    and its snapshot loading rest on."""
+    run = experiment("when_ddp_syncs.py")
+    kinds = ("trained", "first_eval_forward", "later_eval_forwards", "train_forwards")
+    assert_only_lines(run, *kinds, "load_on_rank0_after_wrap", "load_on_every_rank")
+    trained, first, later, training = (records(run, kind)[0] for kind in kinds)
+    # after training each rank's buffers hold its own last batch: the bare models differ
+    assert trained == {"buffers_equal": "False", "bare_scores_equal": "False"}
+    # the first no_grad forward through the wrapper: every rank scores rank 0's model
+    assert first == {"buffers_equal": "True", "equal_to_rank0": "True", "scores_equal": "True"}
+    # 3 forwards on rank 0, 2 on rank 1, no copy and no wait (a copy would have hung)
+    assert later == {"per_rank": "3,2", "buffers_copied": "False"}
+    assert training == {"buffers_copied_first": "False", "buffers_copied_second": "True"}
+    after_wrap = records(run, "load_on_rank0_after_wrap")[0]["weights_equal_after_steps"]
+    every_rank = records(run, "load_on_every_rank")[0]["weights_equal_after_steps"]
+    assert (after_wrap, every_rank) == ("False", "True"), "DDP copies weights when built only"

@@ -1,24 +1,29 @@
 """DDP on N ranks with batch B is one process with batch N x B, until BatchNorm.
 
-Each rank computes the mean-loss gradient of its B samples; DDP averages those gradients over
-the ranks, which is the mean-loss gradient of all N x B samples. Every rank then takes the
-same optimizer step from the same weights. So after any number of steps the weights equal
-those of one process that trained on the concatenated batch: bit for bit in exact arithmetic,
-to ~1e-16 in float64 (sums in another order), to ~1e-8 in float32 with a small learning rate.
+Each rank computes the mean-loss gradient of its B samples; DDP averages those
+gradients over the ranks, which is the mean-loss gradient of all N x B samples.
+Every rank then takes the same optimizer step from the same weights. So after
+any number of steps the weights equal those of one process that trained on the
+concatenated batch: bit for bit in exact arithmetic, to ~1e-16 in float64 (sums
+in another order), to ~1e-8 in float32 with a small learning rate.
 
-BatchNorm breaks this: in training mode it normalises with the mean and variance of the batch
-it sees, which under DDP is each rank's B samples, not the N x B batch. SyncBatchNorm computes
-those statistics over all ranks and restores the equality, but PyTorch implements it for GPU
-modules only: on CPU, running it under DDP raises the error printed below.
+BatchNorm breaks this: in training mode it normalises with the mean and variance
+of the batch it sees, which under DDP is each rank's B samples, not the N x B
+batch. SyncBatchNorm computes those statistics over all ranks and restores the
+equality, but PyTorch implements it for GPU modules only: on CPU, running it
+under DDP raises the error printed below.
 
     python part3_ddp/experiments/ddp_equals_big_batch.py
     python part3_ddp/experiments/ddp_equals_big_batch.py --nprocs 3 --steps 10
 
-Evidence lines (rank 0 trains the one-process reference itself, on the full batch):
+Evidence lines (rank 0 trains the one-process reference itself, on the full
+batch):
     compare model=mlp dtype=float64 lr=0.1 steps=5 ... max_abs_diff=2.776e-17
     compare model=mlp dtype=float32 lr=0.01 steps=5 ... max_abs_diff=1.490e-08
-    compare model=mlp_batchnorm dtype=float64 lr=0.1 steps=5 ... max_abs_diff=1.828e-02
-    syncbatchnorm device=cpu error=ValueError: SyncBatchNorm layers only work with GPU modules
+    compare model=mlp_batchnorm dtype=float64 lr=0.1 steps=5 ...
+        max_abs_diff=1.828e-02
+    syncbatchnorm device=cpu error=ValueError: SyncBatchNorm layers only work
+        with GPU modules
 """
 
 import argparse
@@ -30,8 +35,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Imported before init_process_group on purpose: imported later (DDP does, on first use), it
-# keeps the group alive past destroy_process_group, and gloo can abort at exit (README).
+# Imported before init_process_group on purpose: imported later (DDP does, on
+# first use), it keeps the group alive past destroy_process_group, and gloo can
+# abort at exit (README).
 import torch.distributed.nn
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -41,21 +47,27 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
+    parser.add_argument(
+        "--nprocs", type=int, default=2, help="processes (ranks)"
+    )
     parser.add_argument(
         "--start-method",
         choices=["spawn", "fork"],
         default="spawn",
-        help="fork: children inherit the imported torch and start at once (CPU only)",
+        help="fork: children inherit the imported torch and start at once"
+        " (CPU only)",
     )
-    parser.add_argument("--batch-size", type=int, default=8, help="B, per process")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="B, per process"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines of processes that share a terminal never interleave.
+    # One write per line: lines of processes that share a terminal never
+    # interleave.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
@@ -71,28 +83,39 @@ def setup_process_group(rank: int, world_size: int) -> None:
     # All ranks share this machine's cores: more threads than cores is slower.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    # A collective that waits this long for a lost rank fails instead of hanging.
+    # A collective that waits this long for a lost rank fails instead of
+    # hanging.
     timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def build_model(kind: str, dtype: torch.dtype, seed: int) -> nn.Module:
-    # The same initial weights for the DDP copies and the reference. No dropout anywhere: its
-    # random masks would differ between the two set-ups.
+    # The same initial weights for the DDP copies and the reference. No dropout
+    # anywhere: its random masks would differ between the two set-ups.
     torch.manual_seed(seed)
     if kind == "mlp":
         model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
     else:
-        model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 3))
+        model = nn.Sequential(
+            nn.Linear(10, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 3)
+        )
     return model.to(dtype)
 
 
-def global_batches(args: argparse.Namespace, world_size: int, dtype: torch.dtype) -> list:
-    """The same N x B batches on every rank; rank r trains on rows r*B .. (r+1)*B - 1."""
+def global_batches(
+    args: argparse.Namespace, world_size: int, dtype: torch.dtype
+) -> list:
+    """The same N x B batches on every rank; rank r trains on
+    rows r*B .. (r+1)*B - 1."""
     g = torch.Generator().manual_seed(args.seed + 1)
     size = world_size * args.batch_size
     return [
-        (torch.randn(size, 10, generator=g, dtype=dtype), torch.randint(0, 3, (size,), generator=g))
+        (
+            torch.randn(size, 10, generator=g, dtype=dtype),
+            torch.randint(0, 3, (size,), generator=g),
+        )
         for _ in range(args.steps)
     ]
 
@@ -107,7 +130,9 @@ def sgd_steps(model: nn.Module, batches: list, lr: float) -> None:
         optimizer.step()
 
 
-def compare(rank: int, world_size: int, args: argparse.Namespace, kind: str, dtype, lr) -> None:
+def compare(
+    rank: int, world_size: int, args: argparse.Namespace, kind: str, dtype, lr
+) -> None:
     batches = global_batches(args, world_size, dtype)
     b = args.batch_size
     mine = slice(rank * b, (rank + 1) * b)
@@ -117,12 +142,15 @@ def compare(rank: int, world_size: int, args: argparse.Namespace, kind: str, dty
         # One process, batch N x B, no DDP.
         reference = build_model(kind, dtype, args.seed)
         sgd_steps(reference, batches, lr)
-        pairs = zip(ddp_model.module.parameters(), reference.parameters(), strict=True)
+        pairs = zip(
+            ddp_model.module.parameters(), reference.parameters(), strict=True
+        )
         diff = max((p - q).abs().max().item() for p, q in pairs)
         dtype_name = str(dtype).removeprefix("torch.")
         log(
-            f"compare model={kind} dtype={dtype_name} lr={lr} steps={args.steps}"
-            f" ranks={world_size} batch={b} big_batch={world_size * b} max_abs_diff={diff:.3e}"
+            f"compare model={kind} dtype={dtype_name} lr={lr}"
+            f" steps={args.steps} ranks={world_size} batch={b}"
+            f" big_batch={world_size * b} max_abs_diff={diff:.3e}"
         )
 
 
@@ -153,12 +181,17 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python
-    # and imports torch again (seconds). "fork" copies this process, imports included: at once,
-    # and safe here because nothing touched CUDA or started threads yet. With GPUs, keep spawn.
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
+    # fresh Python and imports torch again (seconds). "fork" copies this
+    # process, imports included: at once, and safe here because nothing touched
+    # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared by
+        # the children.
         import torch._dynamo
     mp.start_processes(
-        worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method
+        worker,
+        args=(args.nprocs, args),
+        nprocs=args.nprocs,
+        start_method=args.start_method,
     )

@@ -1,29 +1,36 @@
-"""Shuffling: what `DistributedSampler.set_epoch` changes, and when forgetting it hurts.
+"""Shuffling: what `DistributedSampler.set_epoch` changes, and when forgetting
+it hurts.
 
-Part 1, the data order. A data set of plain integers makes the sampler visible: each sample
-*is* its index. Two ranks draw their shards for a few epochs, without `set_epoch` and with
-it. Without it the sampler shuffles with the same seed every epoch: every epoch repeats epoch
-0, and each rank sees the same half of the data forever. With it the permutation changes each
-epoch, and since the sampler shuffles the whole data set before splitting it, samples move
-*across* ranks, not only within one.
+Part 1, the data order. A data set of plain integers makes the sampler visible:
+each sample *is* its index. Two ranks draw their shards for a few epochs,
+without `set_epoch` and with it. Without it the sampler shuffles with the same
+seed every epoch: every epoch repeats epoch 0, and each rank sees the same half
+of the data forever. With it the permutation changes each epoch, and since the
+sampler shuffles the whole data set before splitting it, samples move *across*
+ranks, not only within one.
 
-Part 2, the training. DDP averages the gradients of all ranks, so which rank holds a sample
-does not matter; what `set_epoch` changes is the sequence of global batches, which without it
-is the same every epoch. A linear classifier on a noisy 10-class problem is trained both ways,
-twice: with full epochs, and with every epoch cut short after `--max-steps` steps (a step
-budget, like the course's `--max-steps`). Cut short, an epoch without `set_epoch` draws the
-same first batches again: the model never sees more than those samples, and it shows in the
-test accuracy. With full epochs every sample is seen either way and the two runs end close to
-each other: the repeated order costs little here.
+Part 2, the training. DDP averages the gradients of all ranks, so which rank
+holds a sample does not matter; what `set_epoch` changes is the sequence of
+global batches, which without it is the same every epoch. A linear classifier on
+a noisy 10-class problem is trained both ways, twice: with full epochs, and with
+every epoch cut short after `--max-steps` steps (a step budget, like the
+course's `--max-steps`). Cut short, an epoch without `set_epoch` draws the same
+first batches again: the model never sees more than those samples, and it shows
+in the test accuracy. With full epochs every sample is seen either way and the
+two runs end close to each other: the repeated order costs little here.
 
     python part3_ddp/experiments/shuffling.py
     python part3_ddp/experiments/shuffling.py --nprocs 3 --size 24 --max-steps 8
 
 Evidence lines (parsed by tests/test_inside_ddp.py):
-    indices set_epoch=off epoch=0 rank=0 3,1,...   every index a rank drew in that epoch
-    moved set_epoch=on from_epoch=0 to_epoch=1 rank=0 count=4   samples new to that rank
-    train epochs=capped set_epoch=off epoch=8 seen=128 loss=0.0835 test_acc=73.85%
-    (seen: distinct training samples drawn so far, by all ranks; loss over all ranks)
+    indices set_epoch=off epoch=0 rank=0 3,1,...
+        every index a rank drew in that epoch
+    moved set_epoch=on from_epoch=0 to_epoch=1 rank=0 count=4
+        samples new to that rank
+    train epochs=capped set_epoch=off epoch=8 seen=128 loss=0.0835
+        test_acc=73.85%
+    (seen: distinct training samples drawn so far, by all ranks; loss over all
+    ranks)
 """
 
 import argparse
@@ -35,8 +42,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Imported before init_process_group on purpose: imported later (DDP does, on first use), it
-# keeps the group alive past destroy_process_group, and gloo can abort at exit (README).
+# Imported before init_process_group on purpose: imported later (DDP does, on
+# first use), it keeps the group alive past destroy_process_group, and gloo can
+# abort at exit (README).
 import torch.distributed.nn
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -49,27 +57,41 @@ CLASSES, FEATURES = 10, 64
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--nprocs", type=int, default=2, help="processes (ranks)"
+    )
     parser.add_argument(
         "--start-method",
         choices=["spawn", "fork"],
         default="spawn",
-        help="fork: children inherit the imported torch and start at once (CPU only)",
+        help="fork: children inherit the imported torch and start at once"
+        " (CPU only)",
     )
-    parser.add_argument("--size", type=int, default=16, help="part 1: samples in the data set")
-    parser.add_argument("--epochs", type=int, default=3, help="part 1: epochs drawn")
-    parser.add_argument("--train-size", type=int, default=2048, help="part 2: training samples")
+    parser.add_argument(
+        "--size", type=int, default=16, help="part 1: samples in the data set"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="part 1: epochs drawn"
+    )
+    parser.add_argument(
+        "--train-size", type=int, default=2048, help="part 2: training samples"
+    )
     parser.add_argument("--train-epochs", type=int, default=8, help="part 2")
-    parser.add_argument("--batch-size", type=int, default=16, help="part 2: per process")
-    parser.add_argument("--max-steps", type=int, default=4, help="part 2: steps per short epoch")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="part 2: per process"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=4, help="part 2: steps per short epoch"
+    )
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
 def log(message: str) -> None:
-    # One write per line: lines of processes that share a terminal never interleave.
+    # One write per line: lines of processes that share a terminal never
+    # interleave.
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
@@ -85,19 +107,26 @@ def setup_process_group(rank: int, world_size: int) -> None:
     # All ranks share this machine's cores: more threads than cores is slower.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    # A collective that waits this long for a lost rank fails instead of hanging.
+    # A collective that waits this long for a lost rank fails instead of
+    # hanging.
     timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
-# ---- Part 1: the data order ----------------------------------------------------------------
+# ---- Part 1: the data order --------------------------------------------------
 
 
-def draw_indices(rank: int, world_size: int, args: argparse.Namespace, call_set_epoch: bool):
+def draw_indices(
+    rank: int, world_size: int, args: argparse.Namespace, call_set_epoch: bool
+):
     """The indices this rank's loader yields in each epoch."""
     # Sample i is the integer i.
     dataset = list(range(args.size))
-    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(
+        dataset, world_size, rank, shuffle=True, seed=args.seed
+    )
     loader = DataLoader(dataset, batch_size=4, sampler=sampler)
     epochs = []
     for epoch in range(args.epochs):
@@ -109,7 +138,8 @@ def draw_indices(rank: int, world_size: int, args: argparse.Namespace, call_set_
 
 
 def report_indices(per_rank: list[list[list[int]]], flag: str) -> None:
-    """What every rank drew, then how many samples each rank got that it had not had before."""
+    """What every rank drew, then how many samples each rank got that it had not
+    had before."""
     epochs = range(len(per_rank[0]))
     for epoch in epochs:
         for rank, drawn in enumerate(per_rank):
@@ -119,30 +149,42 @@ def report_indices(per_rank: list[list[list[int]]], flag: str) -> None:
         for rank, drawn in enumerate(per_rank):
             new = len(set(drawn[epoch]) - set(drawn[epoch - 1]))
             log(
-                f"moved set_epoch={flag} from_epoch={epoch - 1} to_epoch={epoch} rank={rank}"
-                f" count={new}"
+                f"moved set_epoch={flag} from_epoch={epoch - 1}"
+                f" to_epoch={epoch} rank={rank} count={new}"
             )
 
 
-# ---- Part 2: the training ------------------------------------------------------------------
+# ---- Part 2: the training ----------------------------------------------------
 
 
 def gaussian_classes(size: int, seed: int) -> TensorDataset:
-    """10 classes, each a cloud around its own centre; the clouds overlap. The third tensor
-    is the sample's index, to count the distinct samples a run has seen."""
-    centres = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(0))
+    """10 classes, each a cloud around its own centre; the clouds overlap. The
+    third tensor is the sample's index, to count the distinct samples a run has
+    seen."""
+    centres = torch.randn(
+        CLASSES, FEATURES, generator=torch.Generator().manual_seed(0)
+    )
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, CLASSES, (size,), generator=g)
     x = 0.4 * centres[labels] + torch.randn(size, FEATURES, generator=g)
     return TensorDataset(x, labels, torch.arange(size))
 
 
-def train(rank: int, world_size: int, args: argparse.Namespace, capped: bool, flag: str) -> None:
+def train(
+    rank: int,
+    world_size: int,
+    args: argparse.Namespace,
+    capped: bool,
+    flag: str,
+) -> None:
     train_set = gaussian_classes(args.train_size, args.seed + 1)
     x_test, y_test, _ = gaussian_classes(4096, args.seed + 2).tensors
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, seed=args.seed
+    )
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    # The same initial weights for every run (DDP would also copy rank 0's to the others).
+    # The same initial weights for every run (DDP would also copy rank 0's to
+    # the others).
     torch.manual_seed(args.seed)
     model = DDP(nn.Linear(FEATURES, CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -162,16 +204,23 @@ def train(rank: int, world_size: int, args: argparse.Namespace, capped: bool, fl
             totals[0] += loss.detach() * len(y)
             totals[1] += len(y)
             seen[index] = 1
-        # Over all ranks: the loss of every sample, every sample any rank has drawn.
+        # Over all ranks: the loss of every sample, every sample any rank has
+        # drawn.
         dist.all_reduce(totals)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
         loss_sum, samples = totals.tolist()
         if rank == 0:
             with torch.no_grad():
-                test_acc = (model.module(x_test).argmax(1) == y_test).float().mean().item()
+                test_acc = (
+                    (model.module(x_test).argmax(1) == y_test)
+                    .float()
+                    .mean()
+                    .item()
+                )
             log(
-                f"train epochs={'capped' if capped else 'full'} set_epoch={flag}"
-                f" epoch={epoch + 1} seen={int(seen.sum())} loss={loss_sum / samples:.4f}"
+                f"train epochs={'capped' if capped else 'full'}"
+                f" set_epoch={flag} epoch={epoch + 1} seen={int(seen.sum())}"
+                f" loss={loss_sum / samples:.4f}"
                 f" test_acc={100 * test_acc:.2f}%"
             )
 
@@ -195,12 +244,17 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a fresh Python
-    # and imports torch again (seconds). "fork" copies this process, imports included: at once,
-    # and safe here because nothing touched CUDA or started threads yet. With GPUs, keep spawn.
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
+    # fresh Python and imports torch again (seconds). "fork" copies this
+    # process, imports included: at once, and safe here because nothing touched
+    # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared by
+        # the children.
         import torch._dynamo
     mp.start_processes(
-        worker, args=(args.nprocs, args), nprocs=args.nprocs, start_method=args.start_method
+        worker,
+        args=(args.nprocs, args),
+        nprocs=args.nprocs,
+        start_method=args.start_method,
     )

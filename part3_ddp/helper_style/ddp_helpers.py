@@ -1,8 +1,9 @@
-"""The helper module of the helper-module style: everything distributed, in one place.
+"""The helper module of the helper-module style: everything distributed, in one
+place.
 
-The training file (train.py next to this) calls these functions and never touches
-torch.distributed itself. Each helper does the right thing in a world of one process too, so
-the same training file runs with 1 or N processes.
+The training file (train.py next to this) calls these functions and never
+touches torch.distributed itself. Each helper does the right thing in a world of
+one process too, so the same training file runs with 1 or N processes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Imported before init_process_group on purpose: imported later (DDP does, on first use), it
-# keeps the group alive past destroy_process_group, and gloo can abort at exit (see
-# ../experiments/README.md).
+# Imported before init_process_group on purpose: imported later (DDP does, on
+# first use), it keeps the group alive past destroy_process_group, and gloo can
+# abort at exit (see ../experiments/README.md).
 import torch.distributed.nn
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -35,7 +36,8 @@ def find_free_port() -> int:
 
 
 def launch(worker: Callable[..., None], nprocs: int, *args) -> None:
-    """Run worker(rank, world_size, *args) in nprocs processes; with one, just call it."""
+    """Run worker(rank, world_size, *args) in nprocs processes; with one, just
+    call it."""
     if nprocs == 1:
         # No extra process, no process group: plain single-device PyTorch.
         worker(0, 1, *args)
@@ -46,23 +48,30 @@ def launch(worker: Callable[..., None], nprocs: int, *args) -> None:
 
 
 def setup_process_group(rank: int, world_size: int) -> None:
-    """NCCL and one GPU per process with GPUs, gloo on CPUs. All processes run on this machine."""
+    """NCCL and one GPU per process with GPUs, gloo on CPUs. All processes run
+    on this machine."""
     if torch.cuda.is_available():
         if world_size > torch.cuda.device_count():
             sys.exit(
-                f"error: {world_size} processes, {torch.cuda.device_count()} GPU(s): start at"
-                " most one per GPU, or run on CPUs with CUDA_VISIBLE_DEVICES=''"
+                f"error: {world_size} processes,"
+                f" {torch.cuda.device_count()} GPU(s): start at most one per"
+                " GPU, or run on CPUs with CUDA_VISIBLE_DEVICES=''"
             )
-        # Before any CUDA work or collective: else "cuda" means GPU 0 in every rank, and NCCL
-        # (which creates its communicator at the first collective) uses GPU 0 for all of them.
+        # Before any CUDA work or collective: else "cuda" means GPU 0 in every
+        # rank, and NCCL (which creates its communicator at the first
+        # collective) uses GPU 0 for all of them.
         torch.cuda.set_device(rank)
     elif "OMP_NUM_THREADS" not in os.environ:
-        # The processes share the machine's cores: more threads than cores is slower.
+        # The processes share the machine's cores: more threads than cores is
+        # slower.
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # A collective that waits this long for a lost rank fails instead of hanging.
+    # A collective that waits this long for a lost rank fails instead of
+    # hanging.
     timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 300)))
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def destroy_process_group() -> None:
@@ -89,7 +98,8 @@ def is_primary() -> bool:
 
 def print_primary(message: str) -> None:
     if is_primary():
-        # One write per line: lines of processes that share a terminal never interleave.
+        # One write per line: lines of processes that share a terminal never
+        # interleave.
         sys.stdout.write(message + "\n")
         sys.stdout.flush()
 
@@ -101,15 +111,23 @@ def get_device() -> torch.device:
 
 
 def data_sampler(dataset: Dataset, shuffle: bool) -> DistributedSampler | None:
-    """A DistributedSampler when distributed; None otherwise (then let the DataLoader shuffle)."""
-    return DistributedSampler(dataset, shuffle=shuffle) if is_distributed() else None
+    """A DistributedSampler when distributed; None otherwise (then let the
+    DataLoader shuffle)."""
+    return (
+        DistributedSampler(dataset, shuffle=shuffle)
+        if is_distributed()
+        else None
+    )
 
 
 def prepare_ddp_model(model: nn.Module) -> nn.Module:
     """Wrap in DDP only when there is someone to synchronise with."""
     if get_world_size() == 1:
         return model
-    return DDP(model, device_ids=[get_device().index] if torch.cuda.is_available() else None)
+    return DDP(
+        model,
+        device_ids=[get_device().index] if torch.cuda.is_available() else None,
+    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -1,8 +1,9 @@
-"""The helper-module style: a short training file; ddp_helpers.py does the distributed parts.
+"""The helper-module style: a short training file; ddp_helpers.py does the
+distributed parts.
 
-Compare with part3_ddp/step5_checkpoint.py, where every distributed line is visible in the
-training script. Here the training loop reads like single-process code; the price is that the
-distributed behaviour lives in another file.
+Compare with part3_ddp/step5_checkpoint.py, where every distributed line is
+visible in the training script. Here the training loop reads like single-process
+code; the price is that the distributed behaviour lives in another file.
 
     python part3_ddp/helper_style/train.py --nprocs 1
     python part3_ddp/helper_style/train.py --nprocs 2
@@ -20,11 +21,15 @@ import ddp_helpers as ddp
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     nprocs = torch.cuda.device_count() or 2
-    parser.add_argument("--nprocs", type=int, default=nprocs, help="processes (ranks)")
+    parser.add_argument(
+        "--nprocs", type=int, default=nprocs, help="processes (ranks)"
+    )
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="per process"
+    )
     parser.add_argument("--data-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
@@ -32,14 +37,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def dummy_dataset(size: int, seed: int) -> TensorDataset:
-    """4 classes, told apart by which quarter of [0, 4) a single number falls in."""
+    """4 classes, told apart by which quarter of [0, 4) a single number falls
+    in."""
     g = torch.Generator().manual_seed(seed)
     x = 4 * torch.rand(size, 1, generator=g)
     return TensorDataset(x, x[:, 0].long().clamp(max=3))
 
 
 def train_one_epoch(model, loader, optimizer) -> torch.Tensor:
-    """(summed loss, correct, samples) on this rank, summed on the device: no sync per step."""
+    """(summed loss, correct, samples) on this rank, summed on the device: no
+    sync per step."""
     model.train()
     device = ddp.get_device()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -67,9 +74,14 @@ def main_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     dataset = dummy_dataset(args.data_size, args.seed)
     sampler = ddp.data_sampler(dataset, shuffle=True)
     loader = DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
     )
-    model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 4)).to(ddp.get_device())
+    model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 4)).to(
+        ddp.get_device()
+    )
     model = ddp.prepare_ddp_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ddp.print_primary(

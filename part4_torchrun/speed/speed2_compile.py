@@ -245,9 +245,9 @@ def main(args: argparse.Namespace) -> None:  # step 6
         # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
-        # step 3: evaluate the bare model: DDP's forward would sync buffers with
-        # ranks that score other numbers of batches
-        test_sums = evaluate(model.module, test_loader, device, args.max_steps)
+        # step 3: each rank its shard, through the wrapper: its first forward
+        # copies rank 0's buffers (BatchNorm's), so all score rank 0's model
+        test_sums = evaluate(model, test_loader, device, args.max_steps)
         dist.all_reduce(test_sums)  # step 3
         test = test_sums.tolist()
         scheduler.step()
