@@ -23,7 +23,8 @@ Part B: all-reduce itself, written twice with point-to-point messages:
   chunk; N - 1 steps of all-gather pass the summed chunks round. Every rank
   sends 2 (N - 1) / N of the tensor, whatever N is: the reason rings scale
   (gloo's default all-reduce is a ring; NCCL picks among rings, trees and, where
-  the hardware has them, NVLS, CollNet and PAT).
+  the hardware has them, NVLS and CollNet; its PAT algorithm serves all-gather
+  and reduce-scatter, not all-reduce).
 Both are checked against `dist.all_reduce` and timed over message sizes.
 
     python part3_ddp/experiments/allreduce_by_hand.py

@@ -10,8 +10,9 @@ numbers describe one rank, not the model. To report the model's numbers:
   rank 0 (world size times too large), and leaves the other ranks' tensors
   undefined: reduce a copy, never the tensor you need.
 - gather per-sample results (here: was the prediction right?) with `all_gather`,
-  then count over the concatenation. all_gather needs the same shape on every
-  rank.
+  then count over the concatenation. gloo's all_gather needs the same shape on
+  every rank (ProcessGroupGloo::allgather: invalid tensor size); all_gather's
+  docstring says uneven sizes are supported, as NCCL's are (torch 2.15).
 - print on the primary rank only: one line per step, not one per rank.
 
     python part3_ddp/experiments/metric_sync.py
@@ -124,8 +125,8 @@ def reduce_to_primary(value: torch.Tensor) -> torch.Tensor:
 
 
 def gather(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's tensor, concatenated in rank order (the same shape on all
-    ranks)."""
+    """Every rank's tensor, concatenated in rank order (gloo: the same shape on
+    all ranks)."""
     parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, values.contiguous())
     return torch.cat(parts)
