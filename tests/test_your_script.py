@@ -224,7 +224,11 @@ def test_iterable_dataset_sharded_by_rank_and_worker_reads_each_record_once() ->
         fix: torchrun("iterable_shards.py", *(["--fix"] if fix else []), checked=True, check=False)
         for fix in (False, True)
     }
-    # Without --fix: 2 ranks x 2 workers, each reading all 103 records.
+    # 2 ranks x 2 loader workers, started by spawn, not by a fork after gloo's threads exist.
+    for run in runs.values():
+        copies = "dataset copies=4: 2 ranks x 2 loader workers, started by spawn"
+        assert copies in run.stdout.splitlines(), run.describe()
+    # Without --fix: each of the 4 copies reads all 103 records.
     unfixed = runs[False]
     assert unfixed.returncode == 1, unfixed.describe()
     assert "read=412 distinct=103 repeated=309 unread=0" in unfixed.stdout
@@ -286,11 +290,15 @@ def test_wrapper_effects_fail_the_single_device_way_and_pass_the_ddp_way() -> No
         "loader=Subset len_dataset=5 local_acc=100.0% global_acc=200.0%",
     ]
 
-    fixed = effects(torchrun("wrapper.py", "--fix"))
+    fixed_run = torchrun("wrapper.py", "--fix")
+    # forward_sync_buffers, not the deprecated broadcast_buffers: no FutureWarning on any rank
+    for word in ("FutureWarning", "broadcast_buffers"):
+        assert word not in fixed_run.stdout + fixed_run.stderr, fixed_run.describe()
+    fixed = effects(fixed_run)
     assert fixed["custom_method"] == ["ok shape=(4, 8)"]
     assert fixed["save_model"] == ["ok loads into a bare Net"]
-    assert fixed["buffers"] == ["ok broadcast_buffers=False"]
-    assert fixed["buffers_remade"] == ["ok broadcast_buffers=True"], "or a buffer made plainly"
+    assert fixed["buffers"] == ["ok forward_sync_buffers=False"]
+    assert fixed["buffers_remade"] == ["ok forward_sync_buffers=True"], "or a buffer made plainly"
     assert fixed["dropout"] == ["same_mask_on_every_rank=False"]
     assert fixed["device"] == [
         f"device={built if usable else 'cpu'} backend={'nccl' if usable else 'gloo'} ok"

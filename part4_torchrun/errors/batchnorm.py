@@ -8,7 +8,8 @@ batch. The script measures how far each rank's normalised output is from
 the output with the global batch's statistics, per batch size per rank.
 It also shows where the running statistics (used at evaluation) come from:
 DDP copies rank 0's buffers to every rank before each training forward pass
-(broadcast_buffers=True), so they are estimated from rank 0's samples alone.
+(forward_sync_buffers=True, the default; torch 2.13 deprecated its older
+name, broadcast_buffers), so they are estimated from rank 0's samples alone.
 
 SyncBatchNorm computes the statistics over all ranks (the fix), but only on
 GPUs (CUDA, XPU, HPU): on a CPU, DDP refuses the model with

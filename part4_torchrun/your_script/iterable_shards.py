@@ -12,6 +12,7 @@ k + 2 x copies, ..., and all copies stop at the same count.
 """
 
 import argparse
+import multiprocessing
 import sys
 from datetime import timedelta
 
@@ -79,8 +80,27 @@ def main(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     records = Records(args.records, rank, world_size, args.fix)
     loader = DataLoader(
-        records, batch_size=args.batch_size, num_workers=args.workers
+        records,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        # Not fork: a fork while other threads (gloo's) hold a lock can hang
+        # the worker. A spawned worker gets the dataset pickled: Records
+        # holds numbers only.
+        multiprocessing_context="spawn" if args.workers else None,
     )
+    if rank == 0:
+        # The copies of the dataset that read the stream: one in every
+        # loader worker of every rank (without workers, the rank's own)
+        copies = world_size * max(args.workers, 1)
+        where = f"{world_size} ranks, no loader workers"
+        if args.workers:
+            # (no context given: multiprocessing's default start method)
+            context = loader.multiprocessing_context or multiprocessing
+            where = (
+                f"{world_size} ranks x {args.workers} loader workers,"
+                f" started by {context.get_start_method()}"
+            )
+        log(f"dataset copies={copies}: {where}")
     # Something for the stream to feed: a line fitted to y = 2x.
     model = DDP(nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -117,12 +117,13 @@ def save_model(model: DDP, fix: bool, folder: str) -> str:
 
 def buffers(model: DDP, fix: bool) -> str:
     # A forward in train mode: DDP first copies rank 0's buffers to all
-    # ranks (broadcast_buffers=True), writing into each rank's buffer.
+    # ranks (forward_sync_buffers=True, the default), writing into each
+    # rank's buffer.
     try:
         model(torch.randn(5, 3, 8))
     except RuntimeError as error:
         return "error=" + first_line(error)
-    return f"ok broadcast_buffers={model.broadcast_buffers}"
+    return f"ok forward_sync_buffers={model.forward_sync_buffers}"
 
 
 def buffers_remade(fix: bool) -> str:
@@ -199,8 +200,10 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     net = Net()
     if args.fix:
-        # --fix: the buffer is a constant, so there is nothing to broadcast
-        model = DDP(net, broadcast_buffers=False)
+        # --fix: the buffer is a constant, so there is nothing to copy before
+        # each forward (forward_sync_buffers: torch 2.13 deprecated its older
+        # name, broadcast_buffers, which prints a FutureWarning)
+        model = DDP(net, forward_sync_buffers=False)
         # --fix: then a seed per rank, for the random draws of training
         torch.manual_seed(args.seed + rank)
     else:
