@@ -6,8 +6,12 @@ by the teaching scripts."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import io
 import json
+import os
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +20,7 @@ from types import ModuleType
 import pytest
 import timm
 import torch
-from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch
+from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch, with_environ
 from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 
 EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each epoch
@@ -32,16 +36,19 @@ FAILURE_DEADLINE = 30  # seconds from a rank's failure to the end of the whole j
 # torchrun's workers share the launcher's key-value store across restarts and can read the previous
 # attempt's addresses (pytorch/pytorch#135712): restarts need a fresh store per attempt.
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-# 165 images: 83 per rank, 6 training batches of 16; the 33 test images split 17/16 between
-# 2 ranks, i.e. 2 and 1 test batches: evaluation must not need the ranks in step.
-EPOCHS = 3
-RUN = [*TINY_RUN, "--fake-size", "165", "--epochs", str(EPOCHS)]
+# 330 images: 83 per rank of 4, 6 training batches of 16; the 66 test images split 17, 17, 16,
+# 16 over 4 ranks, i.e. 2, 2, 1 and 1 test batches: evaluation must not need the ranks in step.
+# Four ranks, not two: with more than two, the order in which gloo adds the ranks' gradients
+# depends on DDP's bucket layout, which a resumed run must rebuild as the first run did.
+EPOCHS, RANKS = 3, 4
+RUN = [*TINY_RUN, "--fake-size", "330", "--epochs", str(EPOCHS)]
 # Rank 1, second epoch (pass 1), fourth batch: mid-epoch, after the restarted run's snapshot at
 # step 2 of that epoch (rank 1 could not draw batch 3 before rank 0 had saved it) and before the
 # one at step 4.
 KILL_AT = (1, 1, 3)
 SNAPSHOT_EVERY = ["--snapshot-every", "2"]
 TORCHRUN_2 = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
+TORCHRUN_4 = [TORCHRUN, "--standalone", f"--nproc_per_node={RANKS}"]
 # A 2-rank training run under each launcher that starts its own processes.
 TWO_RANKS = {
     "mp.spawn": [PYTHON, STEP5, "--nprocs", "2"],
@@ -107,15 +114,15 @@ def restarted_and_reference(
     with ThreadPoolExecutor(2) as pool:
         # The reference's probe keeps each rank's first step: its random state and weights.
         first_step = {"DDP_PROBE_FIRST_STEP": "1"}
-        reference = pool.submit(snapshot_run, out["reference"], first_step, TORCHRUN_2)
+        reference = pool.submit(snapshot_run, out["reference"], first_step, TORCHRUN_4)
         restarted = pool.submit(
-            snapshot_run, out["restarted"], kill, [*TORCHRUN_2, "--max-restarts=1"]
+            snapshot_run, out["restarted"], kill, [*TORCHRUN_4, "--max-restarts=1"]
         )
         return {"reference": reference.result(), "restarted": restarted.result()}
 
 
 def snapshot_run(out: Path, extra_env: dict, launcher: list[str]) -> tuple[Run, Path, Probe]:
-    """One 2-rank torchrun run of the snapshot step into `out`, with the probe."""
+    """One 4-rank torchrun run of the snapshot step into `out`, with the probe."""
     # The reference runs with the defaults (no snapshot within an epoch): saving snapshots
     # must not change the training either.
     flags = SNAPSHOT_EVERY if "DDP_PROBE_KILL_AT" in extra_env else []
@@ -139,13 +146,13 @@ def snapshot_run(out: Path, extra_env: dict, launcher: list[str]) -> tuple[Run, 
     return run, out, Probe.read(out / "probe")
 
 
-@pytest.mark.slow  # two 2-rank torchrun runs, one of them restarted: about half of this file's time
+@pytest.mark.slow  # two 4-rank torchrun runs, one of them restarted: about half of this file's time
 def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) -> None:
     run, out, probe = restarted_and_reference["restarted"]
     reference, reference_out, reference_probe = restarted_and_reference["reference"]
     # Each rank draws its own crops and flips: a rank resumed with another rank's random state
     # would crop its images otherwise, and the weights below would differ.
-    reference_probe.assert_own_crops(2)
+    reference_probe.assert_own_crops(RANKS)
     killed = probe.events("killed")
     assert [e["rank"] for e in killed] == [KILL_AT[0]], (
         f"the probe should have killed rank 1 once\n{run.describe()}"
@@ -166,7 +173,7 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
     )
     # The resumed epoch's line counts the steps trained after the resume: 4 of 6 per rank
     # (83 images each: batches of 16, 16, 16, 16, 16 and 3).
-    assert [e["train_samples"] for e in run.epochs()] == [166, 102, 166], run.stdout
+    assert [e["train_samples"] for e in run.epochs()] == [332, 204, 332], run.stdout
     same = [e["test_acc"] for e in run.epochs()], [e["test_acc"] for e in reference.epochs()]
     assert same[0] == same[1]
     for epoch in (0, 2):
@@ -189,7 +196,7 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
     assert snapshot["scheduler"] == expected["scheduler"]
     # Both ranks of the restarted attempt ended with those weights.
     finals = {e["rank"]: e["pid"] for e in probe.events("final")}
-    assert sorted(finals) == [0, 1]
+    assert sorted(finals) == list(range(RANKS))
     model = import_script(SNAPSHOT_SCRIPT).build_model("test_resnet")
     model.load_state_dict(final)
     for pid in finals.values():
@@ -272,13 +279,13 @@ def test_batchnorm_evaluation_with_uneven_batch_counts(restarted_and_reference) 
                 if e["loader"] == 1 and e["rank"] == rank and e["pass"] == 0
             ]
         )
-        for rank in (0, 1)
+        for rank in range(RANKS)
     }
-    assert test_batches == {0: 2, 1: 1}, "the test set should split into uneven batch counts"
+    assert test_batches == {0: 2, 1: 2, 2: 1, 3: 1}, "the test set splits into uneven batches"
     assert any(
         isinstance(m, torch.nn.BatchNorm2d) for m in timm.create_model("test_resnet").modules()
     )
-    assert [e["test_samples"] for e in reference.epochs()] == [33] * EPOCHS, (
+    assert [e["test_samples"] for e in reference.epochs()] == [66] * EPOCHS, (
         "every test image scored once"
     )
 
@@ -372,7 +379,8 @@ def test_a_hang_ends_at_the_timeout_with_no_process_left(tmp_path: Path) -> None
 # torch and timm are imported once; each case reports its exit code and what it wrote to stderr.
 # After each, what the process's exit would do: its process group and its snapshot's lock go. A
 # case with a "snapshot" may first write a file (a crash's half snapshot) or hold the snapshot's
-# lock itself (another run), and reports the snapshot's digest and its folder's files.
+# lock itself (another run), and reports the snapshot's digest (if it is a file) and its folder's
+# files.
 DRIVER = r"""
 import contextlib, fcntl, hashlib, io, json, os, runpy, sys, traceback
 import torch.distributed as dist
@@ -405,8 +413,9 @@ for case in json.loads(sys.argv[1]):
     if held is not None:
         os.close(held)
     result = {"script": script, "args": args, "code": code, "stderr": err.getvalue()}
-    if snapshot:
+    if snapshot and os.path.isfile(snapshot):
         result["digest"] = hashlib.sha256(open(snapshot, "rb").read()).hexdigest()
+    if snapshot:
         result["files"] = sorted(os.listdir(os.path.dirname(snapshot)))
     print("CASE " + json.dumps(result), flush=True)
 """
@@ -484,7 +493,9 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     """Step 10: a snapshot records the run that wrote it. A run with another model, seed, batch
     size, number of epochs or world size stops in one line naming the setting and both values,
     and leaves the snapshot as it was; a second run cannot use a snapshot whose run is still
-    going (its lock); a crash's half-written file is removed at the next start."""
+    going (its lock); a crash's half-written file is removed at the next start. A file that
+    torch.load cannot read (cut short, random bytes, empty, a directory) stops every rank in one
+    line that names it and says why, and stays as it was."""
     snapshot, tmp = tmp_path / "s.pt", tmp_path / "s.pt.tmp"
     base = [*TINY_RUN, "--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
     base += ["--checkpoint", ""]
@@ -501,9 +512,39 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     cases += [{**case, "args": [*base, *extra]} for extra in refused]
     cases += [{**case, "hold": True}]  # while another run holds the lock
     cases += [{**case, "write": str(tmp)}]  # after a crash that left half a file: resumes
-    run = launch([PYTHON, "-c", DRIVER, json.dumps(cases)], timeout=LAUNCH_TIMEOUT)
+    # Damaged files, each at a path of its own -> what the line must say is wrong with it.
+    whole = io.BytesIO()
+    torch.save({"step": 0, "model": torch.nn.Linear(8, 2).state_dict()}, whole)
+    damaged = tmp_path / "damaged"
+    contents = {
+        damaged / "cut.pt": whole.getvalue()[: len(whole.getvalue()) // 2],
+        damaged / "random.pt": random.Random(0).randbytes(4096),
+        damaged / "empty.pt": b"",
+    }
+    damaged.mkdir()
+    for path, data in contents.items():
+        path.write_bytes(data)
+    (damaged / "folder.pt").mkdir()
+    unreadable = {
+        damaged / "cut.pt": "(RuntimeError: PytorchStreamReader failed reading zip archive",
+        damaged / "random.pt": "(UnpicklingError: Weights only load failed)",
+        damaged / "empty.pt": "(EOFError)",
+        damaged / "folder.pt": "(IsADirectoryError: [Errno 21] Is a directory",
+    }
+    broken = [
+        {**case, "args": [*base, "--snapshot", str(path)], "snapshot": str(path)}
+        for path in unreadable
+    ]
+    run = launch([PYTHON, "-c", DRIVER, json.dumps(cases + broken)], timeout=LAUNCH_TIMEOUT)
     results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
-    assert len(results) == len(cases), run.describe()
+    assert len(results) == len(cases + broken), run.describe()
+    results, unread = results[: len(cases)], results[len(cases) :]
+    for (path, why), result in zip(unreadable.items(), unread, strict=True):
+        assert result["code"] == 1, result
+        assert_one_clear_line(result["stderr"], f"error: {path} is not a snapshot {why}")
+        assert "weights_only" not in result["stderr"], result["stderr"]  # torch's advice
+    assert all(path.read_bytes() == data for path, data in contents.items())
+    assert not any((damaged / "folder.pt").iterdir())
     first, *others, locked, after_crash = results
     assert first["code"] == 0, first["stderr"]
     for (name, there, here), result in zip(refused.values(), others, strict=True):
@@ -518,14 +559,50 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     resumed = f"resumed from {snapshot}: 1 of 1 epochs, 0 steps done: nothing to train"
     assert after_crash["code"] == 0 and resumed in run.stdout, run.describe()
     assert "s.pt.tmp" not in after_crash["files"] and not tmp.exists(), after_crash["files"]
-    # Another world size: both ranks of a torchrun stop at once, and so does the job.
-    resume = launch(
-        [*TORCHRUN_2, CHECKED_SNAPSHOT_SCRIPT, *base], timeout=LAUNCH_TIMEOUT, check=False
-    )
+    # Another world size, and random bytes, at once: both ranks of a torchrun stop, each in
+    # its line, and so does the job.
+    with ThreadPoolExecutor(2) as pool:
+        resume, garbled = (
+            pool.submit(
+                launch,
+                [*TORCHRUN_2, CHECKED_SNAPSHOT_SCRIPT, *base, *extra],
+                timeout=LAUNCH_TIMEOUT,
+                check=False,
+            )
+            for extra in ([], ["--snapshot", str(damaged / "random.pt")])
+        )
+        resume, garbled = resume.result(), garbled.result()
     assert resume.returncode != 0 and not resume.timed_out, resume.describe()
     said = f"error: {snapshot} is another run's: world_size 1 there, 2 here"
     assert said in resume.stdout + resume.stderr, resume.describe()
     assert "epoch 1/1" not in resume.stdout, resume.describe()
+    output = garbled.stdout + garbled.stderr
+    said = f"error: {damaged / 'random.pt'} is not a snapshot {unreadable[damaged / 'random.pt']}"
+    assert [line for line in output.splitlines() if "error: " in line] == [said] * 2, output
+    assert garbled.returncode != 0 and "[rank" not in output, garbled.describe()
+    assert (damaged / "random.pt").read_bytes() == contents[damaged / "random.pt"]
+
+
+def test_a_refused_run_ends_its_torchrun_job(tmp_path: Path) -> None:
+    """Step 10 under `torchrun --max-restarts=2` while another run holds the snapshot's lock:
+    rank 0 says so once and the job ends, not restarted (a restart would wait for the lock to
+    free, then resume the other run's snapshot): a non-zero exit, no epoch, no process left."""
+    snapshot, mark = tmp_path / "s.pt", f"DDP_TEST_RUN={tmp_path}"
+    command = [*TORCHRUN_2, "--max-restarts=2", CHECKED_SNAPSHOT_SCRIPT, *TINY_RUN]
+    command += ["--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
+    held = os.open(f"{snapshot}.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run's rank 0
+        env = {**FRESH_STORE, "DDP_TEST_RUN": str(tmp_path)}
+        run = launch([*command, "--checkpoint", ""], timeout=LAUNCH_TIMEOUT, env=env, check=False)
+    finally:
+        os.close(held)
+    output = run.stdout + run.stderr
+    refusals = [line for line in output.splitlines() if "another run is using" in line]
+    assert refusals == [f"error: another run is using {snapshot}"], run.describe()
+    assert run.returncode != 0 and "epoch 1/1" not in run.stdout, run.describe()
+    assert not with_environ(mark), "processes of the refused job still run"
+    assert not snapshot.exists(), run.describe()
 
 
 def test_a_wrong_argument_under_torchrun_is_said_once() -> None:

@@ -227,6 +227,9 @@ def main(args: argparse.Namespace) -> None:  # step 6
     state = dict(model=model.module, optimizer=optimizer, scheduler=scheduler)
     state["loader"], first_step = train_loader, 0  # step 8
     if os.path.exists(args.snapshot):
+        # step 9: DDP orders its buckets by the first backward pass; one on a
+        # blank batch gives the resumed run the order of the run it resumes
+        model(torch.zeros(2, 3, 32, 32, device=device)).sum().backward()
         saved = torch.load(args.snapshot, map_location="cpu")
         first_step = saved["step"]  # step 8: the steps done in the epoch
         for name, obj in state.items():

@@ -3,6 +3,7 @@
 import argparse
 import fcntl
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -194,13 +195,16 @@ def main(args: argparse.Namespace) -> None:  # step 6
     elif "OMP_NUM_THREADS" not in os.environ:
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
-    # step 10: one run at a time per snapshot: rank 0 locks it; the lock ends
-    # with the process, so a restart after a crash takes it again
+    # step 10: one run per snapshot: rank 0 locks it until its process ends (a
+    # crash too); refused, it ends the job, which torchrun would start again
     if rank == 0:
         lock = os.open(args.snapshot + ".lock", os.O_CREAT | os.O_RDWR)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # say why first
+                os.kill(os.getppid(), signal.SIGTERM)  # torchrun's agent
             sys.exit(f"error: another run is using {args.snapshot}")
         if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
             os.remove(args.snapshot + ".tmp")
@@ -242,7 +246,14 @@ def main(args: argparse.Namespace) -> None:  # step 6
     state = dict(model=model.module, optimizer=optimizer, scheduler=scheduler)
     state["loader"], first_step = train_loader, 0  # step 8
     if os.path.exists(args.snapshot):
-        saved = torch.load(args.snapshot, map_location="cpu")
+        # step 9: DDP orders its buckets by the first backward pass; one on a
+        # blank batch gives the resumed run the order of the run it resumes
+        model(torch.zeros(2, 3, 32, 32, device=device)).sum().backward()
+        try:  # step 10: a file torch.load cannot read stops every rank
+            saved = torch.load(args.snapshot, map_location="cpu")
+        except Exception as error:  # its kind, and torch's first sentence
+            why = f"{type(error).__name__}: {error}".split(". ")[0].rstrip(": ")
+            sys.exit(f"error: {args.snapshot} is not a snapshot ({why})")
         ran = saved.get("run", {})  # step 10
         for name, value in run.items():
             if ran.get(name) != value:
@@ -282,9 +293,9 @@ def main(args: argparse.Namespace) -> None:  # step 6
         # .tolist() waits until the device ends the epoch: then read the clock.
         train = totals.tolist()
         seconds = time.perf_counter() - start
-        # step 3: evaluate the bare model: DDP's forward would sync buffers with
-        # ranks that score other numbers of batches
-        test_sums = evaluate(model.module, test_loader, device, args.max_steps)
+        # step 3: each rank its shard, through the wrapper: its first forward
+        # copies rank 0's buffers (BatchNorm's), so all score rank 0's model
+        test_sums = evaluate(model, test_loader, device, args.max_steps)
         dist.all_reduce(test_sums)  # step 3
         test = test_sums.tolist()
         scheduler.step()
