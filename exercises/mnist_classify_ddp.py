@@ -67,8 +67,10 @@ def log(message: str) -> None:
 #     threads = torch.get_num_threads() and tasks, those on this node, is
 #     SLURM_NTASKS_PER_NODE (else world_size);
 #   - joins the group: dist.init_process_group("nccl" on GPUs, "gloo" on
-#     CPUs, rank=..., world_size=..., timeout=timeout), where timeout =
-#     timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60))): then a
+#     CPUs, rank=..., world_size=..., timeout=timeout, device_id=...): the
+#     GPU's index on a GPU (else NCCL guesses it, and warns), None on CPUs;
+#     timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60))):
+#     then a
 #     collective that waits for a lost rank fails after a minute instead of
 #     hanging (a minute covers rank 0's MNIST download at the barrier).
 # TODO(step 6): srun starts the processes but does not tell them where to

@@ -153,7 +153,11 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # step 1: name the group's GPU, which NCCL would otherwise guess
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, device_id=gpu
+    )
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -89,8 +89,14 @@ def setup_process_group() -> tuple[int, int, torch.device]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # a collective that waits this long for a lost rank fails instead of hanging
     timeout = timedelta(seconds=int(env.get("DDP_TIMEOUT_S", 60)))
+    # this process's GPU, named: NCCL would otherwise guess it
+    gpu = local_rank if torch.cuda.is_available() else None
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timeout
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=gpu,
     )
     cuda = f"cuda:{local_rank}"
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")

@@ -85,9 +85,15 @@ def setup_process_group() -> tuple[int, int, int]:  # step 1
     # instead of hanging; a minute covers rank 0's MNIST download (11 MB)
     # at the barrier
     timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60)))
+    # step 1: this process's GPU, named: NCCL would otherwise guess it
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
     # step 1: rank 0 listens at MASTER_ADDR:MASTER_PORT, the others connect
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timeout
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=gpu,
     )
     return rank, local_rank, world_size
 

@@ -83,9 +83,11 @@ def setup_process_group() -> tuple[int, int, int]:  # step 1
     # instead of hanging; a minute covers rank 0's MNIST download (11 MB)
     # at the barrier
     timeout = timedelta(seconds=int(os.environ.get("DDP_TIMEOUT_S", 60)))
+    # step 1: this process's GPU, named: NCCL would otherwise guess it
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
     # step 6: rank, world size and where to meet: init_process_group reads
     # torchrun's variables
-    dist.init_process_group(backend, timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=gpu)
     return rank, local_rank, world_size
 
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 # Most changed code lines a step's diff may have, whatever its own budget says: one idea a step.
-# Step 1 starts processes and a group at once; step 8 resumes mid-epoch (the loader's place, a
-# snapshot every N steps, the steps left); step 10 checks a snapshot: whose it is, whether it
-# reads, and a refusal that ends the job.
-CEILING, CEILINGS = 30, {"1": 35, "8": 40, "10": 40}
+# Step 1 starts processes and a group bound to its GPU at once; step 8 resumes mid-epoch (the
+# loader's place, a snapshot every N steps, the steps left); step 10 checks a snapshot: whose it
+# is, whether it reads, and a refusal that ends the job.
+CEILING, CEILINGS = 30, {"1": 40, "8": 40, "10": 40}
 # Lines per script: the spine, then the steps that build on part 4. At 80 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
 SPINE_LINES, AFTER_SPINE_LINES = 240, 300
@@ -128,9 +128,9 @@ STEPS = [
         "one process per device, a process group",
         (
             *("init_process_group", "destroy_process_group", "mp.spawn", "set_device"),
-            *("barrier", "gloo", "nccl", "MASTER_ADDR", "rank == 0"),
+            *("barrier", "gloo", "nccl", "MASTER_ADDR", "rank == 0", "device_id="),
         ),
-        35,
+        39,
         **SPINE,
         claims=(*SPAWNED, Claim.WHOLE_DATA_EACH, Claim.BARE_LOAD),
     ),

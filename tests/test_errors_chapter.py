@@ -247,7 +247,8 @@ def test_batchnorm_per_rank_statistics_and_syncbatchnorm_on_cpu(runs: dict[str, 
     # Per-rank statistics miss the global ones, the more so the smaller the batch per rank.
     assert diffs == sorted(diffs, reverse=True) and diffs[-1] > 0.01, diffs
     (buffers,) = values(stdout, "buffers")
-    # Each rank's running statistics drift apart; DDP puts rank 0's back at the next training forward.
+    # Each rank's running statistics drift apart; DDP puts rank 0's back at the next training
+    # forward.
     assert buffers == {"after_forward_equal": "False", "next_forward_starts_from_rank0": "True"}
     # The fix on a CPU: SyncBatchNorm is refused.
     failed_with(runs["batchnorm_fix"], "SyncBatchNorm layers only work with GPU modules")

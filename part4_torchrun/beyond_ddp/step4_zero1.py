@@ -49,7 +49,9 @@ def start_group() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    # the group's GPU, named: NCCL would otherwise guess it
+    gpu = local_rank if torch.cuda.is_available() else None
+    dist.init_process_group(backend, device_id=gpu)
     cuda = f"cuda:{local_rank}"
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     return dist.get_rank(), dist.get_world_size(), device

@@ -209,7 +209,11 @@ def main(args: argparse.Namespace) -> None:  # step 6
         if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
             os.remove(args.snapshot + ".tmp")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # step 1: name the group's GPU, which NCCL would otherwise guess
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, device_id=gpu
+    )
     # Same seed, same initial weights and the same data order on every run.
     torch.manual_seed(args.seed)
     # step 4: name this process's GPU; "cuda" alone relies on set_device
