@@ -228,4 +228,7 @@ if __name__ == "__main__":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # step 1: main(rank, nprocs, args) in nprocs processes; one fails: all end
     nprocs = args.nprocs or torch.cuda.device_count() or 2
+    gpus = torch.cuda.device_count()  # step 4: refused before any starts
+    if torch.cuda.is_available() and nprocs > gpus:
+        sys.exit(f"error: {nprocs} processes, {gpus} GPU(s)")
     mp.spawn(main, args=(nprocs, args), nprocs=nprocs)

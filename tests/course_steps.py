@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 # Most changed code lines a step's diff may have, whatever its own budget says: one idea a step.
-# Step 1 starts processes and a group bound to its GPU at once; step 8 resumes mid-epoch (the
-# loader's place, a snapshot every N steps, the steps left); step 10 checks a snapshot: whose it
-# is, whether it reads, and a refusal that ends the job.
-CEILING, CEILINGS = 30, {"1": 40, "8": 40, "10": 40}
+# Step 1 starts processes and a group bound to its GPU at once; step 6 drops mp.spawn's start-up
+# (its port, its GPU check) for the launcher's variables; step 8 resumes mid-epoch (the loader's
+# place, a snapshot every N steps, the steps left); step 10 checks a snapshot: whose it is,
+# whether it reads, and a refusal that ends the job.
+CEILING, CEILINGS = 30, {"1": 40, "6": 35, "8": 40, "10": 40}
 # Lines per script: the spine, then the steps that build on part 4. At 80 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
 SPINE_LINES, AFTER_SPINE_LINES = 240, 300
@@ -169,7 +170,7 @@ STEPS = [
         "python",
         "`cuda:LOCAL_RANK`",
         ('f"cuda:{local_rank}"', "device_count()", "local_world_size"),
-        17,
+        20,
         **SPINE,
         checks_gpus=True,
         claims=(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
@@ -198,7 +199,7 @@ STEPS = [
         "torchrun",
         "the launcher says who each process is",
         ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
-        29,
+        32,
         **SPINE,
         checks_gpus=True,
         claims=(

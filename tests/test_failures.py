@@ -12,6 +12,7 @@ import io
 import json
 import os
 import random
+import runpy
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -639,3 +640,22 @@ def test_more_processes_than_gpus_with_nccl(
     with pytest.raises(SystemExit) as exit:
         call()
     assert_one_clear_line(exit_message(exit.value), "2 processes", "1 GPU(s)")
+
+
+@pytest.mark.parametrize("script", [s.script for s in STEPS if s.checks_gpus and s.spine][:2])
+def test_more_processes_than_gpus_under_mp_spawn_is_one_line(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 4 and 5 as `python script.py --nprocs 2` on a machine with one GPU: the parent
+    refuses before mp.spawn starts anything, so the line is all a learner sees (a refusal in
+    the processes alone would come with mp.spawn's traceback in the parent)."""
+    assert "--nprocs" in (REPO / script).read_text(), f"{script} is not an mp.spawn step"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    spawned = []
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: spawned.append(a))
+    monkeypatch.setattr("sys.argv", [script, "--dataset", "fake", "--nprocs", "2"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    assert_one_clear_line(exit_message(exit.value), "2 processes", "1 GPU(s)")
+    assert not spawned, "no process may start"
