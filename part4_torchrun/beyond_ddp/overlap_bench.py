@@ -38,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    # step 3's plain MLP (its --model mixed is for the tests)
+    parser.set_defaults(model="mlp")
     args = parser.parse_args()
     try:
         args.sizes = [float(mb) for mb in args.sizes.split(",")]
@@ -66,7 +68,7 @@ def main(args: argparse.Namespace) -> None:
             if variant:
                 mb, overlap = variant
                 kind = step3_hooks if overlap else step2_buckets
-                buckets = kind.Buckets(model, mb)
+                buckets = kind.ByHandDDP(model, mb)
                 counts[mb] = len(buckets.buckets)
             images, labels = batch(args, step, rank, world_size, device)
             dist.barrier()
@@ -75,7 +77,7 @@ def main(args: argparse.Namespace) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if buckets:
-                buckets.average()
+                buckets.average_gradients()
                 # step 3's hooks would fire in the next variant's backward()
                 for hook in getattr(buckets, "hooks", []):
                     hook.remove()

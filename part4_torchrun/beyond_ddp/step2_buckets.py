@@ -27,6 +27,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=4, help="hidden layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=["mlp", "mixed"], default="mlp")
+    parser.add_argument("--optimizer", default="Adam", help="torch.optim's")
     parser.add_argument("--bucket-mb", type=float, default=0.25)
     args = parser.parse_args()
     if min(args.steps, args.batch_size, args.width, args.depth) < 1:
@@ -58,6 +60,16 @@ def start_group() -> tuple[int, int, torch.device]:
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
+    if args.model == "mixed":
+        # What models people train hold: a frozen layer, a layer used twice
+        # (one weight, two uses, as tied weights), BatchNorm and its buffers.
+        frozen = nn.Linear(FEATURES, args.width).requires_grad_(False)
+        twice = nn.Linear(args.width, args.width)
+        norm = nn.BatchNorm1d(args.width)
+        out = nn.Linear(args.width, CLASSES)
+        return nn.Sequential(
+            frozen, norm, nn.ReLU(), twice, nn.ReLU(), twice, out
+        )
     # A plain MLP: no BatchNorm, so DDP has no buffers to broadcast.
     layers, width = [], FEATURES
     for _ in range(args.depth):
@@ -78,17 +90,43 @@ def batch(args, step: int, rank: int, world_size: int, device) -> tuple:
     return images[mine].to(device), labels[mine].to(device)
 
 
-class Buckets:
-    def __init__(self, model: nn.Module, bucket_mb: float):
+class ByHandDDP(nn.Module):
+    """DDP's shape: wrap, train, call average_gradients() after backward()."""
+
+    def __init__(self, module: nn.Module, bucket_mb: float):
+        super().__init__()
+        self.module = module
+        # by hand 1: every rank starts from rank 0's parameters (frozen ones
+        # too) and buffers, copied in place, as DDP does when it is built
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=0)
+        # by hand 1: frozen parameters get no gradient: left out, as in DDP
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.sync_buffers = True
         # by hand 2: fill from the last parameter: backward()'s order
         self.buckets = [[]]
-        for param in reversed(list(model.parameters())):
+        for param in reversed(self.params):
             size = sum(p.nbytes for p in self.buckets[-1]) + param.nbytes
             if self.buckets[-1] and size > bucket_mb * 2**20:
                 self.buckets.append([])
             self.buckets[-1].append(param)
 
-    def average(self) -> None:
+    def forward(self, *inputs):
+        # by hand 1: DDP's rule for buffers (BatchNorm's statistics): rank
+        # 0's are copied to all at the start of the first forward and of
+        # each forward that follows one with gradients enabled (training)
+        if self.sync_buffers:
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
+        self.sync_buffers = torch.is_grad_enabled()
+        return self.module(*inputs)
+
+    def average_gradients(self) -> None:
+        # by hand 1: a parameter this rank did not use has no gradient:
+        # zeros stand in, so that every rank sends the same tensors
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         for params in self.buckets:
             # by hand 2: one message per bucket: its gradients end to end
             flat = torch.cat([p.grad.flatten() for p in params])
@@ -99,74 +137,105 @@ class Buckets:
                 param.grad.copy_(mean.view_as(param))
 
 
-def train_ddp(args, model, rank, world_size, device) -> torch.optim.Optimizer:
+def optimizer_class(args: argparse.Namespace) -> tuple[type, dict]:
+    # Any torch.optim class and its settings; SGD with momentum, for a state.
+    momentum = dict(momentum=0.9) if args.optimizer == "SGD" else {}
+    return getattr(torch.optim, args.optimizer), dict(lr=args.lr, **momentum)
+
+
+def train_ddp(args, model, rank, world_size, device) -> tuple:
     # The reference: DDP copies rank 0's weights to every rank, then averages
     # the gradients during backward().
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DDP(model, device_ids=ids)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
+    kind, settings = optimizer_class(args)
+    optimizer = kind(ddp.parameters(), **settings)
     for step in range(args.steps):
         images, labels = batch(args, step, rank, world_size, device)
         loss = F.cross_entropy(ddp(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    return optimizer
+    return ddp, optimizer
 
 
 def train_by_hand(args, model, rank, world_size, device):
-    # by hand 1: every rank starts from rank 0's weights
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    buckets = Buckets(model, args.bucket_mb)
+    # by hand 1: wrapped as DDP wraps it, trained as DDP is trained
+    model = ByHandDDP(model, args.bucket_mb)
+    kind, settings = optimizer_class(args)
+    optimizer = kind(model.parameters(), **settings)
     for step in range(args.steps):
         images, labels = batch(args, step, rank, world_size, device)
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        # by hand 2: after backward(), every bucket's mean, bucket by bucket
-        buckets.average()
+        # by hand 1: after backward(), every gradient's mean over the ranks
+        model.average_gradients()
         optimizer.step()
-    return optimizer, loss.detach()
+    return model, optimizer, loss.detach()
+
+
+def tensors(model: nn.Module) -> list[torch.Tensor]:
+    # What training changes: the weights, then the buffers (BatchNorm's).
+    return [t.detach() for t in [*model.parameters(), *model.buffers()]]
 
 
 def fingerprint(model: nn.Module) -> str:
-    # A hash of every weight's bytes: two models share it only if bit-equal.
+    # A hash of every tensor's bytes: two models share it only if bit-equal.
     digest = hashlib.sha256()
-    for param in model.parameters():
-        digest.update(param.detach().cpu().numpy().tobytes())
+    for tensor in tensors(model):
+        digest.update(tensor.cpu().numpy().tobytes())
     return digest.hexdigest()[:12]
 
 
+def message_bytes(model: nn.Module) -> str:
+    # The bytes of each message of a step, in the order sent: DDP's buckets
+    # (a private call: DDP has no public one), or the wrapper's messages.
+    if isinstance(model, DDP):
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+        return ",".join(str(b.buffer().nbytes) for b in buckets)
+    sizes = [sum(p.nbytes for p in params) for params in model.buckets]
+    return ",".join(map(str, sizes))
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    # What the optimizer keeps between steps: Adam's two moments per weight
-    # (its step counters, 0-dimensional, left out).
-    state = optimizer.state.values()
-    return sum(t.nbytes for s in state for t in s.values() if t.dim())
+    # What the optimizer keeps between steps, as its state_dict() holds it:
+    # Adam's two moments per weight (0-dimensional step counters left out).
+    state = optimizer.state_dict()["state"].values()
+    kept = [t for s in state for t in s.values() if torch.is_tensor(t)]
+    return sum(t.nbytes for t in kept if t.dim())
 
 
 def main(args: argparse.Namespace) -> None:
     rank, world_size, device = start_group()
     # Each rank starts from weights of its own: the broadcast must fix that.
     torch.manual_seed(args.seed + rank)
-    by_hand = build_model(args).to(device)
-    reference = copy.deepcopy(by_hand)
-    by_hand_opt, loss = train_by_hand(args, by_hand, rank, world_size, device)
-    ddp_opt = train_ddp(args, reference, rank, world_size, device)
-
-    pairs = zip(by_hand.parameters(), reference.parameters(), strict=True)
-    diff = torch.stack([(a - b).abs().max() for a, b in pairs]).max()
+    model = build_model(args).to(device)
+    reference = copy.deepcopy(model)
+    by_hand, by_hand_opt, loss = train_by_hand(
+        args, model, rank, world_size, device
+    )
+    ddp, ddp_opt = train_ddp(args, reference, rank, world_size, device)
+    # A forward in eval mode, as a test would run: it starts by copying rank
+    # 0's buffers, in DDP as by hand, so that every rank holds the same.
+    images, _ = batch(args, args.steps, rank, world_size, device)
+    with torch.no_grad():
+        for wrapped in (by_hand, ddp):
+            wrapped.eval()(images)
+    pairs = zip(tensors(model), tensors(reference), strict=True)
+    diff = torch.stack([(a - b).abs().max().double() for a, b in pairs]).max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     dist.all_reduce(loss)
     # Each rank's fingerprints and optimizer state, gathered on every rank.
-    mine = fingerprint(by_hand), fingerprint(reference)
+    mine = fingerprint(model), fingerprint(reference)
     mine += state_bytes(by_hand_opt), state_bytes(ddp_opt)
     ranks = [None] * world_size
     dist.all_gather_object(ranks, mine)
     if rank == 0:
-        params = sum(p.numel() for p in by_hand.parameters())
+        params = sum(p.numel() for p in model.parameters())
         log(f"model params={params} world_size={world_size} steps={args.steps}")
+        sizes = message_bytes(by_hand), message_bytes(ddp)
+        log(f"buckets by_hand={sizes[0]} ddp={sizes[1]}")
         log(f"by_hand sha={mine[0]} loss={loss.item() / world_size:.4f}")
         log(f"ddp sha={mine[1]}")
         in_sync = len({r[0] for r in ranks}) == len({r[1] for r in ranks}) == 1
