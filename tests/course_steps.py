@@ -82,6 +82,7 @@ SPEED = "part4_torchrun/speed"  # the speed chapter: steps on step 6, one knob e
 FAST1 = f"{SPEED}/speed1_precision.py"
 FAST2 = f"{SPEED}/speed2_compile.py"
 FAST3 = f"{SPEED}/speed3_workers.py"  # has every speed flag
+FAST4 = f"{SPEED}/speed4_device_data.py"  # the training set on the device
 FAULTS = "part4_torchrun/fault_tolerance"  # steps 7 to 10: snapshots and restarts
 SNAP1 = f"{FAULTS}/step07_epoch_snapshot.py"
 SNAP2 = f"{FAULTS}/step08_step_snapshot.py"  # resumes mid-epoch
@@ -241,6 +242,19 @@ STEPS = [
         checks_gpus=True,
     ),
     Step(
+        "speed 4",
+        FAST4,
+        FAST3,
+        "speed 4",
+        "python",
+        "the data on the device: batches gathered, cropped and flipped there",
+        ("--device-data", "device_batches(", "augment("),
+        30,
+        # speed 3's 289 lines and its own 30
+        max_lines=320,
+        checks_gpus=True,
+    ),
+    Step(
         "7",
         SNAP1,
         STEP6,
@@ -312,7 +326,7 @@ BEYOND_STEPS = [
         BY_HAND1,
         "by hand 2",
         teaches="buckets, all-reduced after backward()",
-        apis=("Buckets(", "torch.cat(", "dist.all_reduce(flat)", "--bucket-mb"),
+        apis=(".buckets", "torch.cat(", "dist.all_reduce(flat)", "--bucket-mb", "bucket_mb"),
         budget=30,
         **CHAPTER,
     ),
@@ -322,8 +336,11 @@ BEYOND_STEPS = [
         BY_HAND2,
         "by hand 3",
         teaches="sent from gradient hooks, asynchronously, waited for before the step",
-        apis=("register_post_accumulate_grad_hook", "async_op=True", "work.wait()", "self.sent"),
-        budget=28,
+        apis=(
+            *("register_post_accumulate_grad_hook", "async_op=True", "work.wait()"),
+            *("self.sent", "self.ready"),
+        ),
+        budget=29,
         **CHAPTER,
     ),
     Step(
@@ -332,8 +349,8 @@ BEYOND_STEPS = [
         BY_HAND3,
         "by hand 4",
         teaches="ZeRO-1: optimizer state sharded",
-        apis=("all_gather_into_tensor(", "torch.optim.Adam([shard]"),
-        budget=27,
+        apis=("ZeRO1(", "optimizer_class(mine", "dist.broadcast(param.detach(), src=owner)"),
+        budget=28,
         **CHAPTER,
     ),
     Step(

@@ -1,0 +1,319 @@
+"""A step of a PyTorch DDP course: train an image classifier. See its README."""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from itertools import islice
+
+import timm
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import transforms
+from tqdm import tqdm
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="per process"
+    )
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--model", default="resnet18", help="timm's, 32x32 in")
+    parser.add_argument(
+        "--dataset", default="cifar10", choices=["cifar10", "fake"]
+    )
+    parser.add_argument("--fake-size", type=int, default=50_000, help="images")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="per epoch; 0: all"
+    )
+    parser.add_argument(
+        "--checkpoint", default="checkpoint.pt", help="'': none"
+    )
+    # speed 1: defaults: the fast settings on a GPU, train.py's on a CPU
+    gpu = torch.cuda.is_available()
+    precisions = ["fp32", "bf16", "fp16"]
+    parser.add_argument(
+        "--precision", choices=precisions, default="bf16" if gpu else "fp32"
+    )
+    # speed 2: on a GPU by default, off on a CPU
+    parser.add_argument(
+        "--channels-last", action=argparse.BooleanOptionalAction, default=gpu
+    )
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=gpu
+    )
+    # speed 3: 4 loader processes on a GPU by default, none on a CPU
+    parser.add_argument(
+        "--workers", type=int, default=4 if gpu else 0, help="loader processes"
+    )
+    parser.add_argument(  # speed 4: on a GPU by default, off on a CPU
+        "--device-data", action=argparse.BooleanOptionalAction, default=gpu
+    )
+    args = parser.parse_args()
+    # Bad input, or a folder it cannot write to, ends here in one line.
+    if min(args.epochs, args.batch_size, args.fake_size) < 1:
+        parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
+    if not timm.is_model(args.model):
+        parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
+    for folder in {os.path.dirname(p) or "." for p in [args.checkpoint] if p}:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            where = os.path.abspath(folder)
+            parser.error(f"cannot write to {where}: {error.strerror}")
+    return args
+
+
+def log(message: str) -> None:
+    # One write per line: lines of processes sharing a terminal stay whole.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def read_launcher_env(env=os.environ) -> tuple[int, ...]:
+    # step 6: torchrun and srun say who each process is; python: a world of one
+    if "RANK" not in env and "SLURM_STEP_ID" not in env:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
+        return 0, 0, 1, 1
+    needs = {"MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE"}
+    if "RANK" not in env and not needs <= env.keys():
+        sys.exit(f"error: under srun, set {sorted(needs - env.keys())}")
+    torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
+    srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
+    srun.append("SLURM_NTASKS_PER_NODE")
+    return tuple(int(env[n]) for n in (torchrun if "RANK" in env else srun))
+
+
+def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
+    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    to_tensor = [transforms.ToTensor(), normalize]
+    flip = transforms.RandomHorizontalFlip()
+    augment = [transforms.RandomCrop(32, padding=4), flip]
+    train_tf = transforms.Compose(augment + to_tensor)
+    test_tf = transforms.Compose(to_tensor)
+    if args.dataset == "fake":
+        # Random images of CIFAR-10's shape: runs offline, learns nothing.
+        size, shape = args.fake_size, (3, 32, 32)
+        train = torchvision.datasets.FakeData(size, shape, 10, train_tf)
+        test = torchvision.datasets.FakeData(
+            size // 5, shape, 10, test_tf, random_offset=size
+        )
+        return train, test
+    try:
+        cifar10 = torchvision.datasets.CIFAR10
+        train = cifar10(args.data_dir, True, train_tf, download=download)
+        test = cifar10(args.data_dir, False, test_tf, download=download)
+    except (OSError, RuntimeError) as error:
+        # Offline (a URLError is an OSError), or files missing or damaged.
+        where = os.path.abspath(args.data_dir)
+        sys.exit(f"error: no CIFAR-10 in {where} ({error}); try --dataset fake")
+    return train, test
+
+
+# speed 4: train.py's crop (zero padding 4) and flip, one draw per image, and
+# its normalisation: for the whole batch at once, on the batch's device
+def augment(batch: torch.Tensor) -> torch.Tensor:
+    n, i = len(batch), torch.arange(32, device=batch.device)
+    y, x = torch.randint(0, 9, (2, n, 1, 1, 1), device=batch.device)  # corner
+    flip = torch.rand(n, 1, 1, 1, device=batch.device) < 0.5
+    rows = F.pad(batch, (4, 4, 4, 4)).take_along_dim(y + i[:, None], 2)
+    crops = rows.take_along_dim(x + torch.where(flip, 31 - i, i), 3)
+    channels = zip(crops.unbind(1), CIFAR10_MEAN, CIFAR10_STD, strict=True)
+    return torch.stack([(c / 255 - m) / s for c, m, s in channels], 1)
+
+
+def device_batches(images, labels, sampler, batch_size):  # speed 4
+    pairs = torch.utils.data.TensorDataset(images, labels)  # on the device
+    return DataLoader(pairs, batch_size, sampler=sampler)  # uint8 batches
+
+
+def build_model(name: str) -> torch.nn.Module:
+    # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
+    # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
+    return timm.create_model(name, num_classes=10)
+
+
+# speed 1: fp holds the autocast and the GradScaler the steps run under
+def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar, fp):
+    """(summed loss, correct predictions, images): one tensor on `device`."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    steps = min(len(loader), max_steps or len(loader))
+    # disable=None: a progress bar on a terminal only, never in a job's log file
+    batches = islice(loader, steps)
+    bar = tqdm(batches, steps, leave=False, disable=None if show_bar else True)
+    for images, labels in bar:
+        # speed 3: from pinned memory, the CPU does not wait for the copy
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        images = augment(images) if images.dtype == torch.uint8 else images
+        with fp.autocast:
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        # speed 1: fp16 scales the loss up: small gradients do not round to zero
+        fp.scaler.scale(loss).backward()
+        fp.scaler.step(optimizer)
+        fp.scaler.update()
+        # Sums stay on the device: .item() would wait for the GPU at every step.
+        totals[0] += loss.detach() * len(labels)
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_steps: int):
+    """(correct predictions, images) as one tensor on `device`; 0 steps: all."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for images, labels in islice(loader, max_steps or None):
+        images, labels = images.to(device), labels.to(device)
+        totals[0] += (model(images).argmax(1) == labels).sum()
+        totals[1] += len(labels)
+    return totals
+
+
+def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
+    (loss_sum, correct, seen), (test_correct, test_seen) = train, test
+    return (
+        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
+        f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}%"
+        f" test_samples={int(test_seen)}"
+        f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
+    )
+
+
+def save_checkpoint(model: torch.nn.Module, path: str) -> None:
+    torch.save(model.state_dict(), path)
+    log(f"saved checkpoint {path}")
+
+
+def main(args: argparse.Namespace) -> None:  # step 6
+    rank, local_rank, world_size, local_world_size = read_launcher_env()
+    # step 1: NCCL and a GPU per process; else gloo, the cores shared
+    if torch.cuda.is_available():
+        # step 4: one GPU per process
+        if local_world_size > torch.cuda.device_count():
+            gpus = torch.cuda.device_count()
+            sys.exit(f"error: {local_world_size} processes, {gpus} GPU(s)")
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        threads = torch.get_num_threads() // local_world_size
+        torch.set_num_threads(max(1, threads))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # step 1: name the group's GPU, which NCCL would otherwise guess
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, device_id=gpu
+    )
+    # Same seed, same initial weights and the same data order on every run.
+    torch.manual_seed(args.seed)
+    # step 4: name this process's GPU; "cuda" alone relies on set_device
+    cuda = f"cuda:{local_rank}"
+    device = torch.device(cuda if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
+    if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
+        build_datasets(args, download=True)
+    dist.barrier()
+    train_set, test_set = build_datasets(args, download=False)
+    # step 3: each rank trains on its shard and scores every world_size-th image
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))
+    # speed 3: worker processes decode and augment the next batches while the
+    # GPU trains; they live as long as the loader (persistent), and the main
+    # process pins (page-locks) the batches they hand back
+    loading = dict(
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=args.workers > 0,
+        # Not fork: a fork while other threads hold a lock can hang the worker.
+        multiprocessing_context="spawn" if args.workers else None,
+    )
+    train_loader = DataLoader(
+        train_set, args.batch_size, sampler=sampler, **loading
+    )
+    test_loader = DataLoader(test_set, args.batch_size, **loading)
+    if args.device_data:  # speed 4: the training set, uint8, on the device
+        if args.dataset == "fake":  # drawn there, the same on every rank
+            shape = (args.fake_size, 3, 32, 32)
+            images = torch.randint(256, shape, dtype=torch.uint8, device=device)
+            labels = torch.randint(10, shape[:1], device=device)
+        else:  # CIFAR10 holds its images as one uint8 array (N, 32, 32, 3)
+            images = torch.from_numpy(train_set.data).to(device).movedim(3, 1)
+            labels = torch.tensor(train_set.targets, device=device)
+        train_loader = device_batches(images, labels, sampler, args.batch_size)
+
+    model = build_model(args.model).to(device)
+    # speed 2: channels-last (NHWC), the layout tensor cores want for
+    # convolutions
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # step 2: DDP copies rank 0's weights to all ranks, then averages gradients
+    ids = [local_rank] if device.type == "cuda" else None  # step 4
+    model = DDP(model, device_ids=ids)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+    scheduler = cosine(optimizer, T_max=args.epochs)
+    # speed 1: autocast runs matmuls and convolutions in 16 bits, sums in fp32;
+    # fp16 needs a GradScaler, bf16 (fp32's range) does not; fp32: both off
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    autocast = torch.autocast(device.type, dtype, enabled=dtype is not None)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    fp = argparse.Namespace(autocast=autocast, scaler=scaler)
+    if args.compile:
+        # speed 2: compiles in place (the same state_dict keys) during epoch
+        # 1's first steps
+        model.compile()
+
+    for epoch in range(args.epochs):
+        # step 3: a new shuffle every epoch, else epoch 0's order; and each
+        # rank its own crops and flips; the weights stay those DDP broadcast
+        sampler.set_epoch(epoch)
+        torch.manual_seed(hash((args.seed, rank, epoch)))
+        start = time.perf_counter()
+        show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        totals = train_one_epoch(  # speed 1: with fp's autocast and scaler
+            model, train_loader, optimizer, device, args.max_steps, show_bar, fp
+        )
+        dist.all_reduce(totals)  # step 3: add up the counts of all ranks
+        # .tolist() waits until the device ends the epoch: then read the clock.
+        train = totals.tolist()
+        seconds = time.perf_counter() - start
+        # step 3: each rank its shard, through the wrapper: its first forward
+        # copies rank 0's buffers (BatchNorm's), so all score rank 0's model
+        test_sums = evaluate(model, test_loader, device, args.max_steps)
+        dist.all_reduce(test_sums)  # step 3
+        test = test_sums.tolist()
+        scheduler.step()
+        if rank == 0:  # step 1: one line per epoch, not one per process
+            log(epoch_line(epoch, args.epochs, train, test, seconds))
+    if args.checkpoint and rank == 0:  # step 1: one writer
+        # step 5: save the model inside DDP's wrapper: keys without "module."
+        save_checkpoint(model.module, args.checkpoint)
+        saved = torch.load(args.checkpoint, map_location="cpu")
+        build_model(args.model).load_state_dict(saved)
+        log(f"checkpoint {args.checkpoint} loads into a bare {args.model}")
+    dist.destroy_process_group()  # step 1
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    main(args)  # step 6: torchrun, srun or python start it once per process
