@@ -49,6 +49,8 @@ class Mutant:
     blame: str | None = None
     # the exception the report's first line names, for a mistake that crashes
     raises: str = ""
+    # other claims the mistake breaks too (a test set evaluated twice over: an impossible count)
+    also: tuple[str, ...] = ()
 
     @property
     def step(self) -> str:
@@ -67,6 +69,9 @@ TEST_LOADER = "    test_loader = DataLoader(test_set, 1000, **kwargs)"
 SET_EPOCH = "        train_loader.sampler.set_epoch(epoch)"
 WRAP = "    model = DDP(model, device_ids=ids)"
 BARRIER = "        dist.barrier()  # step 5"
+OPTIMIZER = "    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)"
+TEST_SUMS = "        test = test_totals.tolist()"
+TEST_REDUCE = "        dist.all_reduce(test_totals)  # step 3"
 
 MUTANTS = {
     "loss divided by the world size": Mutant(
@@ -142,7 +147,9 @@ MUTANTS = {
         "shards",
         "no DistributedSampler",
     ),
-    "test set not split": Mutant(((SPLIT_TEST, None),), "test_shares", "the whole test set"),
+    "test set not split": Mutant(
+        ((SPLIT_TEST, None),), "test_shares", "the whole test set", also=("figures",)
+    ),
     "test set split by a DistributedSampler": Mutant(
         (
             (SPLIT_TEST, None),
@@ -154,6 +161,7 @@ MUTANTS = {
         ),
         "test_shares",
         "pads the",
+        also=("figures",),
     ),
     "training counts not summed": Mutant(
         (("        dist.all_reduce(totals)", None),), "counts", "rank 0's own counts"
@@ -211,6 +219,96 @@ MUTANTS = {
         ((SAMPLER, SAMPLER.replace("world_size, rank", "world_size, 0")),),
         "shards",
         "every rank drew the same",
+    ),
+    # What training computes, beside what DDP computes: the figures, the batch, the mode, the
+    # steps, the optimizer.
+    "test counts not summed": Mutant(
+        ((TEST_SUMS, "        test = [test_totals.tolist()[0], len(test_loader.dataset)]"),),
+        "figures",
+        "above 100%: ",
+        world=3,
+        also=("counts", "accuracy"),
+    ),
+    "batch split by the world size, lr scaled": Mutant(
+        (
+            ("    batch_size = args.batch_size", "    batch_size = args.batch_size // world_size"),
+            (OPTIMIZER, OPTIMIZER.replace("lr=args.lr", "lr=args.lr * world_size")),
+        ),
+        "batches",
+        "--batch-size is per process",
+    ),
+    "no model.train() in the epoch loop": Mutant(
+        (("    model.train()", None),), "steps", "dropout was off while it trained"
+    ),
+    "gradients of 2 batches summed per step": Mutant(
+        (
+            ("    for images, labels in bar:", "    for step, (images, labels) in enumerate(bar):"),
+            ("        optimizer.zero_grad(set_to_none=True)", None),
+            (
+                "        optimizer.step()",
+                "        if step % 2 == 1:\n            optimizer.step()\n"
+                "            optimizer.zero_grad(set_to_none=True)",
+            ),
+        ),
+        "steps",
+        "2 batches' gradients summed per step",
+    ),
+    "optimizer built on another model": Mutant(
+        (
+            (OPTIMIZER, None),
+            (WRAP, f"{OPTIMIZER}\n    model = DDP(Net().to(device), device_ids=ids)"),
+        ),
+        "optimizer",
+        "holds none of the 8 parameters of the DistributedDataParallel",
+    ),
+    "evaluation and its all_reduce on rank 0 only": Mutant(
+        (
+            (
+                "        test_totals = evaluate(",
+                "        if rank == 0:\n"
+                "            test_totals = evaluate(model, test_loader, device)",
+            ),
+            (TEST_REDUCE, f"    {TEST_REDUCE}"),
+            (TEST_SUMS, f"    {TEST_SUMS}"),
+        ),
+        "run",
+        "called dist.all_reduce() at line",
+        blame="step 3",
+    ),
+    "no DDP wrap, the save unwraps": Mutant(
+        ((WRAP, None),),
+        "gradient",
+        "its own batch alone",
+        raises="AttributeError: 'Net' object has no attribute 'module'",
+    ),
+    "ranks seeded apart, init_sync=False": Mutant(
+        (
+            ("    torch.manual_seed(args.seed)", "    torch.manual_seed(args.seed + rank)"),
+            (WRAP, WRAP.replace("ids)", "ids, init_sync=False)")),
+        ),
+        "gradient",
+        "init_sync=False) skips the copy",
+        also=("in_sync",),
+    ),
+    # Beyond what test_exercises.py plants: what the same claims catch.
+    "no zero_grad()": Mutant(
+        (("        optimizer.zero_grad(set_to_none=True)", None),),
+        "steps",
+        "Call optimizer.zero_grad() before each backward()",
+    ),
+    "evaluation in train mode": Mutant(
+        (("    model.eval()", None),), "evaluation", "evaluated in train mode"
+    ),
+    "training totals all-reduced twice": Mutant(
+        (
+            (
+                "        dist.all_reduce(totals)",
+                "        dist.all_reduce(totals)\n        dist.all_reduce(totals)",
+            ),
+        ),
+        "figures",
+        "more than the train set can give",
+        also=("counts",),
     ),
 }
 

@@ -1,8 +1,9 @@
 """The exercise autograder: trains a learner's DDP script as a learner launches it (srun-style or
 torchrun, at a world size), reads what each process did from the probe (tests/probe/) and from
 the course's checker for any script (part4_torchrun/your_script/checker/: its verdicts "replicas
-equal" and "loader samples disjoint" are the grader's), and checks what DDP must compute, claim
-by claim, in step order. Each claim holds (with the evidence that shows it), fails (with the
+equal" and "loader samples disjoint" are the grader's), and checks what DDP must compute and
+what the training must compute (its figures, its batches, its steps, its optimizer), claim by
+claim, in step order. Each claim holds (with the evidence that shows it), fails (with the
 cause the evidence points to, and what to do), or is not checked (nothing showed it: the job
 ended first).
 

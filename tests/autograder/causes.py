@@ -14,6 +14,14 @@ from .run import Training
 # Where an exception raised by communication comes from: a rank that fails there usually
 # fails because another rank left.
 COMMUNICATION = ("torch/distributed/", "torch/nn/parallel/distributed.py")
+# What an error of communication says wherever it is raised (a DDP model's backward(), whose
+# all-reduce runs in C++ hooks, included): the transport lost its peer or timed out, or a
+# collective met another of another size (DDP's all-reduce meeting one that some ranks skip).
+TRANSPORT = re.compile(
+    r"gloo/transport|Connection (reset|closed|refused) by peer|Broken pipe"
+    r"|Received data size doesn't match|collective mismatch|NCCL (error|communicator)",
+    re.IGNORECASE,
+)
 
 
 def crash_cause(t: Training) -> tuple[str, str | None]:
@@ -52,7 +60,8 @@ def crash_cause(t: Training) -> tuple[str, str | None]:
 def exceptions(t: Training) -> list[dict]:
     """The exceptions that ended a rank, first first: rank, what (type: message), the line of
     the script it was raised from, and whether it was raised in communication (a collective
-    the script called, or torch.distributed's or DDP's own)."""
+    the script called, torch.distributed's or DDP's own, or an error of the transport: a
+    DDP model's backward() raises those)."""
     found = []
     for e in sorted(t.probe.events("exception"), key=lambda e: e["time"]):
         rank = t.rank_of(e["pid"])
@@ -66,8 +75,9 @@ def exceptions(t: Training) -> list[dict]:
         line = lines[-1] if lines else None
         called = {c["line"] for c in t.probe.events("collective") if c["pid"] == e["pid"]}
         inside = any(place in file for file, _, _ in e["frames"] for place in COMMUNICATION)
+        inside = inside or bool(TRANSPORT.search(e["message"]))
         message = e["message"].strip().splitlines()
-        what = e["type"] + (f": {message[0]}" if message else "")
+        what = e["type"] + (f": {short(message[0])}" if message else "")
         found.append(
             {
                 "rank": rank,
@@ -78,6 +88,15 @@ def exceptions(t: Training) -> list[dict]:
             }
         )
     return found
+
+
+def short(message: str) -> str:
+    """A message of the transport without gloo's source location and its advice: `Read error
+    [127.0.0.1]:55936: Connection reset by peer.`"""
+    if not TRANSPORT.search(message):
+        return message
+    message = re.sub(r"^\[[^\]]+:\d+\] ", "", message)
+    return message.split(" This is typically")[0]
 
 
 def endings(t: Training) -> list[str]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from conftest import checker
+from torch.nn.parallel import DistributedDataParallel
 
 from .causes import crash_cause, unordered_reads
-from .run import Training, threads_per_task
+from .run import FIGURES, LR, Training, threads_per_task
 
 # After 3 epochs: 96.5% here; the README's 5-epoch run reaches 97.5%.
 MIN_TEST_ACC = 95.0
@@ -31,6 +35,9 @@ class Verdict:
     evidence: str = ""
     # the step a failure points at when it is not the claim's own (a crash's line)
     blame: str | None = None
+    # for a failure: whether it accounts for a crash, given the crash's `Type: message` (a
+    # missing DDP wrap for an AttributeError on `model.module`): then it leads the report
+    explains: Callable[[str], bool] | None = None
 
 
 def holds(evidence: str) -> Verdict:
@@ -39,8 +46,26 @@ def holds(evidence: str) -> Verdict:
     return Verdict(None, evidence)
 
 
-def fails(problem: str, blame: str | None = None) -> Verdict:
-    return Verdict(problem, blame=blame)
+def fails(
+    problem: str, blame: str | None = None, explains: Callable[[str], bool] | None = None
+) -> Verdict:
+    return Verdict(problem, blame=blame, explains=explains)
+
+
+def no_process_group(what: str) -> bool:
+    """A crash that a missing init_process_group() explains."""
+    return "process group" in what.lower() or "init_process_group" in what
+
+
+def no_ddp_wrapper(what: str) -> bool:
+    """A crash that a missing DDP wrap explains: an AttributeError on the model for what only
+    the wrapper has (model.module, model.no_sync(), ...)."""
+    found = re.search(r"AttributeError: '\w+' object has no attribute '(\w+)'", what)
+    if not found:
+        return False
+    name = found.group(1)
+    own = hasattr(DistributedDataParallel, name) and not hasattr(torch.nn.Module, name)
+    return name == "module" or own
 
 
 def unless_failed(t: Training, problem: str) -> Verdict:
@@ -73,7 +98,8 @@ def check_group(t: Training) -> Verdict:
     if not joined:
         return fails(
             "no process called dist.init_process_group(): the processes trained alone,"
-            " each on everything"
+            " each on everything",
+            explains=no_process_group,
         )
     if joined != [(rank, t.world, "gloo") for rank in range(t.world)]:
         return fails(
@@ -109,7 +135,7 @@ def check_threads(t: Training) -> Verdict:
 
 
 def check_printing(t: Training) -> Verdict:
-    lines = len(t.run.epochs())
+    lines = len(t.epoch_lines)
     if lines > t.epochs:
         return fails(f"{lines} epoch lines for {t.epochs} epochs: only rank 0 should print them")
     if lines < t.epochs:
@@ -117,23 +143,32 @@ def check_printing(t: Training) -> Verdict:
     return holds(f"{lines} epoch lines for {t.epochs} epochs")
 
 
-def gradient(net: torch.nn.Module, steps: list[dict]) -> torch.Tensor:
-    """The gradient of the mean cross-entropy over the samples of `steps` together, from
-    their initial weights: one process's gradient on that batch. Each part's forward runs
-    with its rank's random state, so dropout drops what it dropped on that rank."""
+def gradient(
+    net: torch.nn.Module, params: list[torch.Tensor], parts: list[dict], training: bool = True
+) -> torch.Tensor:
+    """The gradient of the mean cross-entropy over the samples of `parts` together (each
+    {inputs, labels, rng}), from the weights `params`: one process's gradient on that batch.
+    Each part's forward runs with its rank's random state, so dropout drops what it dropped on
+    that rank, in the mode the step ran in (train, else eval)."""
     with torch.no_grad():
-        for parameter, value in zip(net.parameters(), steps[0]["params"], strict=True):
+        for parameter, value in zip(net.parameters(), params, strict=True):
             parameter.copy_(value)
-    net.train()
+    net.train(training)
     net.zero_grad()
-    samples = sum(len(step["labels"]) for step in steps)
+    samples = sum(len(part["labels"]) for part in parts)
     with torch.random.fork_rng():
         loss = 0
-        for step in steps:
-            torch.set_rng_state(step["rng"])
-            loss = loss + F.cross_entropy(net(step["inputs"]), step["labels"], reduction="sum")
+        for part in parts:
+            torch.set_rng_state(part["rng"])
+            loss = loss + F.cross_entropy(net(part["inputs"]), part["labels"], reduction="sum")
         (loss / samples).backward()
     return flat([torch.zeros_like(p) if p.grad is None else p.grad for p in net.parameters()])
+
+
+def parts_of(step: dict) -> list[dict]:
+    """The batches whose gradients a first step applied: one per backward() before it (the
+    probe's `forwards`), else the last forward's."""
+    return step.get("forwards") or [step]
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -150,38 +185,222 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def first_of_each(t: Training) -> dict[int, dict]:
+    """rank -> its first optimizer step (the probe's step record), for the ranks that took one."""
+    found = {}
+    for rank, pid in sorted(t.pids.items()):
+        steps = t.steps(pid)
+        if steps:
+            found[rank] = steps[0]
+    return found
+
+
+def check_optimizer(t: Training) -> Verdict:
+    """The optimizer steps the parameters of the model that computes the loss: it holds every
+    one that backward() reaches, they have gradients at its step, and its steps change them."""
+    firsts = first_of_each(t)
+    if not firsts:
+        raise NotChecked("no rank took an optimizer step")
+    advice = (
+        "Build the optimizer from the model you train, after DDP wraps it:"
+        " torch.optim.Adadelta(model.parameters(), lr=args.lr)"
+    )
+    for rank, step in firsts.items():
+        held, graded = step["params"], step["graded"]
+        if step["model"]:
+            name, trained, mine = step["model"]
+            if mine < trained:
+                some = "none" if not mine else f"only {mine}"
+                got = "none of them" if not graded else f"{graded} of them"
+                return fails(
+                    f"rank {rank}'s optimizer holds {some} of the {trained} parameters of the"
+                    f" {name} whose loss backward() reached before its first step, and"
+                    f" {got} got a gradient: it was built on another model's parameters (a model"
+                    " made before the one DDP wraps?), so what it steps is not what computes"
+                    f" the loss. {advice}"
+                )
+        if not graded:
+            return fails(
+                f"none of the {held} parameters rank {rank}'s optimizer holds had a gradient at"
+                f" its first step: backward() reached other parameters, and its steps change"
+                f" nothing. {advice}"
+            )
+        if step["changed"] == 0:
+            return fails(
+                f"rank {rank}'s first optimizer step changed none of its {held} parameters"
+                f" (lr={step['lr']}): a step must move the weights"
+            )
+    # Over the whole training: the parameters the optimizer holds moved.
+    start, end = t.first_steps(), t.params()
+    for rank in sorted(set(start) & set(end)):
+        if all(map(torch.equal, start[rank]["params"], end[rank])):
+            return fails(
+                f"rank {rank}'s optimizer ended training with the parameters it started from:"
+                f" nothing trained. {advice}"
+            )
+    step = firsts[min(firsts)]
+    model = f"all {step['model'][1]} parameters of the {step['model'][0]} that computes the loss"
+    held = model if step["model"] else f"{step['params']} parameters"
+    changed = f", its first step changed {step['changed']}" if step["changed"] else ""
+    moved = "; they moved over training" if end else ""
+    return holds(
+        f"rank {min(firsts)}'s optimizer holds {held}; {step['graded']} had a gradient"
+        f"{changed}{moved} (the same on all {len(firsts)} ranks)"
+    )
+
+
+def accumulated(t: Training, n: int) -> str | None:
+    """Whether the first step applied the sum ("summed") or the mean ("averaged") of the
+    gradients of its n batches (the probe's first step: one part per backward()); None when
+    neither, or when the records do not show it."""
+    steps = t.first_steps()
+    ranks = sorted(steps)
+    if len(ranks) < t.world or any(len(parts_of(steps[r])) != n for r in ranks):
+        return None
+    net = t.module.Net()
+    params = steps[ranks[0]]["params"]
+    total = sum(gradient(net, params, [parts_of(steps[r])[k] for r in ranks]) for k in range(n))
+    grads = flat_grads(steps[ranks[0]])
+    if distance(grads, total) < GRADIENT_TOLERANCE:
+        return "summed"
+    if distance(grads, total / n) < GRADIENT_TOLERANCE:
+        return "averaged"
+    return None
+
+
+def held_apart(step: dict) -> bool:
+    """Whether the optimizer that took the step lacks parameters of the model that computed
+    the loss before it."""
+    return bool(step["model"]) and step["model"][2] < step["model"][1]
+
+
+def check_steps(t: Training) -> Verdict:
+    """Every optimizer step, in every epoch, is one process's step on one batch: one forward
+    and one backward() since the previous step, the model in train mode."""
+    steps = {rank: t.steps(pid) for rank, pid in sorted(t.pids.items())}
+    steps = {rank: found for rank, found in steps.items() if found}
+    if not steps:
+        raise NotChecked("no rank took an optimizer step")
+    for rank, found in steps.items():
+        many = [s for s in found if s["backwards"] > 1]
+        if many:
+            n = found[0]["backwards"] if found[0]["backwards"] > 1 else many[0]["backwards"]
+            example = next(s for s in many if s["backwards"] == n)
+            sizes = "+".join(map(str, example["samples"]))
+            said = f"rank {rank} called backward() {n} times before {len(many)} of its"
+            said += f" {len(found)} optimizer steps ({sizes} samples)"
+            how = accumulated(t, n)
+            if how == "averaged":
+                return fails(
+                    f"{n} batches per optimizer step, their gradients averaged: {said}, each loss"
+                    f" divided by {n}: every step is on {n} x --batch-size samples per rank."
+                    " --batch-size is the batch of a step: zero_grad(), backward() and step()"
+                    " once per batch"
+                )
+            return fails(
+                f"{n} batches' gradients summed per step: {said}, and .grad adds up what each"
+                f" backward() computes, {n} times one batch's mean gradient. One step per batch:"
+                " zero_grad(), backward() and step() for every batch"
+            )
+        idle = [s for s in found if s["backwards"] == 0]
+        if idle:
+            return fails(
+                f"rank {rank} took {len(idle)} of its {len(found)} optimizer steps with no"
+                " backward() since its previous step: it applied old gradients again. One"
+                " backward() per step"
+            )
+        # (gradients of a model that the optimizer does not hold: check_optimizer's cause)
+        stale = [s for s in found if s.get("leftover") and not held_apart(s)]
+        if stale:
+            return fails(
+                f"earlier batches' gradients summed into later steps: at {len(stale)} of rank"
+                f" {rank}'s {len(found)} optimizer steps, backward() began with gradients still"
+                " in .grad, and backward() adds to them. Call optimizer.zero_grad() before each"
+                " backward()"
+            )
+    for rank, found in steps.items():
+        off = [s for s in found if s["train"] is False]
+        if off:
+            pid = t.pids[rank]
+            epochs = sorted({e + 1 for e in (t.epoch_of(pid, s) for s in off) if e is not None})
+            since = f" (in epoch{'s' * (len(epochs) > 1)} {', '.join(map(str, epochs))})"
+            since = since if epochs else ""
+            return fails(
+                f"the model was in eval mode at {len(off)} of rank {rank}'s {len(found)}"
+                f" optimizer steps{since}: dropout was off while it trained. model.eval() lasts"
+                " until model.train(): call model.train() at the start of every epoch's"
+                " training, after each evaluation"
+            )
+    rank, found = next(iter(steps.items()))
+    pid = t.pids[rank]
+    per_epoch: dict[int, int] = {}
+    for s in found:
+        epoch = t.epoch_of(pid, s)
+        if epoch is not None:
+            per_epoch[epoch + 1] = per_epoch.get(epoch + 1, 0) + 1
+    told = ", ".join(f"{n} in epoch {e}" for e, n in sorted(per_epoch.items()))
+    return holds(
+        f"rank {rank}: {len(found)} optimizer steps ({told or 'outside the training loader'}),"
+        f" each after one backward() of one batch, in train mode; the same on all {len(steps)}"
+        " ranks"
+    )
+
+
 def check_gradient(t: Training) -> Verdict:
     """One optimizer step on W ranks is one process's step on their batches together: the
     gradient it applies, on every rank, is the gradient of the mean loss over the global
-    batch (DDP all-reduces the gradients and divides by the world size)."""
+    batch (DDP all-reduces the gradients and divides by the world size). Where a step summed
+    several batches (check_steps fails it), the sum of such gradients, one per batch."""
     steps = t.first_steps()
     if len(steps) < t.world:
         raise NotChecked(f"ranks {sorted(set(range(t.world)) - set(steps))} took no step")
-    if any(s["labels"] is None or s["inputs"] is None for s in steps.values()):
+    parts = {r: parts_of(steps[r]) for r in sorted(steps)}
+    if any(p["labels"] is None or p["inputs"] is None for got in parts.values() for p in got):
         raise NotChecked("the first step's inputs or labels were not seen")
+    if all(g is None for s in steps.values() for g in s["grads"]):
+        raise NotChecked("the optimizer's parameters had no gradient at its first step")
     ranks = sorted(steps)
+    n = len(parts[ranks[0]])
+    if any(len(parts[r]) != n for r in ranks):
+        raise NotChecked(f"the ranks summed different numbers of batches: {per_rank(parts)}")
+    records = first_of_each(t)
+    training = all(records[r]["train"] is not False for r in records)
     net = t.module.Net()
     start = {r: flat(steps[r]["params"]) for r in ranks}
     if any(not torch.equal(start[r], start[0]) for r in ranks):
+        wraps = t.probe.events("wrap")
+        if any(not w["init_sync"] for w in wraps):
+            return fails(
+                "the ranks started from different weights: DDP(model, init_sync=False) skips the"
+                " copy of rank 0's weights to every rank that DDP makes when it wraps the model."
+                " Leave init_sync at its default (True)"
+            )
         return fails(
             "the ranks started from different weights: DDP(model) copies rank 0's to every"
             " rank when it wraps the model; wrap it before training"
         )
-    reference = gradient(net, [steps[r] for r in ranks])
+    params = steps[0]["params"]
+
+    def summed(ranks_: list[int]) -> torch.Tensor:
+        return sum(gradient(net, params, [parts[r][k] for r in ranks_], training) for k in range(n))
+
+    reference = summed(ranks)
     grads = {r: flat_grads(steps[r]) for r in ranks}
     gap = {r: distance(grads[r], reference) for r in ranks}
-    sizes = {r: len(steps[r]["labels"]) for r in ranks}
+    sizes = {r: sum(len(p["labels"]) for p in parts[r]) for r in ranks}
     if max(gap.values()) < GRADIENT_TOLERANCE:
         close = f"within {max(gap.values()):.0e} of" if max(gap.values()) else "equal to"
+        many = f", the sum over its {n} batches" if n > 1 else ""
         return holds(
             f"first step, {sum(sizes.values())} samples ({per_rank(sizes)}): every rank's"
-            f" gradient {close} one process's on them all"
+            f" gradient {close} one process's on them all{many}"
         )
-    own = {r: distance(grads[r], gradient(net, [steps[r]])) for r in ranks}
+    own = {r: distance(grads[r], summed([r])) for r in ranks}
     if max(own.values()) < GRADIENT_TOLERANCE:
         return fails(
             "each rank applied the gradient of its own batch alone at the first step: nothing"
-            " averaged the ranks' gradients. Wrap the model in DDP and train the wrapped model"
+            " averaged the ranks' gradients. Wrap the model in DDP and train the wrapped model",
+            explains=no_ddp_wrapper,
         )
     if all(distance(grads[r], grads[0]) < GRADIENT_TOLERANCE for r in ranks):
         scale = float(grads[0] @ reference / (reference @ reference))
@@ -306,6 +525,45 @@ def check_shards(t: Training) -> Verdict:
     return holds(f"epochs {said}: {per_rank(sizes)} samples; {note}; all of {count(n)} drawn")
 
 
+def check_batches(t: Training) -> Verdict:
+    """Each rank's training batches hold --batch-size samples (the last of an epoch may hold
+    fewer): --batch-size is per process, W ranks step on W times it together."""
+    b = t.batch_size
+    lasts: dict[int, set[int]] = {}
+    for rank, pid in sorted(t.pids.items()):
+        loader = t.training_loader(pid)
+        passes: dict[int, list[int]] = {}
+        for r in t.batches.get(pid, []):
+            if r["loader"] == loader:
+                passes.setdefault(r["pass"], []).append(len(r["samples"]))
+        wrong = [n for got in passes.values() for n in got[:-1] if n != b]
+        wrong += [got[-1] for got in passes.values() if got[-1] > b]
+        if wrong:
+            firsts = first_of_each(t)
+            lr = firsts[rank]["lr"] if rank in firsts else None
+            scaled = (
+                f"; and its first step's lr is {lr:g}, not the --lr {LR:g} passed"
+                if (lr is not None and abs(lr - LR) > 1e-9 * LR)
+                else ""
+            )
+            divided = " (it was divided by the world size)" if wrong[0] * t.world == b else ""
+            return fails(
+                f"rank {rank}'s training batches hold {samples(wrong[0])}, but --batch-size"
+                f" {b} was passed{divided}: --batch-size is per process. Give each rank's"
+                f" DataLoader batch_size=args.batch_size: {t.world} ranks then step on"
+                f" {t.world * b} samples together{scaled}"
+            )
+        if passes:
+            lasts[rank] = {got[-1] for got in passes.values()}
+    if not lasts:
+        raise NotChecked("no rank drew a training batch")
+    last = sorted({n for got in lasts.values() for n in got if n != b})
+    fewer = f" (the last of an epoch {', '.join(map(str, last))})" if last else ""
+    return holds(
+        f"--batch-size {b}: every training batch of the {len(lasts)} ranks holds {b}{fewer}"
+    )
+
+
 def check_order(t: Training) -> Verdict:
     """The training order is shuffled, and differs between epochs on every rank."""
     if t.whole_epochs < 2:
@@ -377,9 +635,76 @@ def check_test_shares(t: Training) -> Verdict:
     return holds(f"epoch 1: {per_rank(sizes)} test samples; none twice; all of {count(n)}")
 
 
+def check_figures(t: Training) -> Verdict:
+    """Every figure of the epoch lines is one that training can compute: a number, a loss of 0
+    or more (a cross-entropy), accuracies from 0 to 100%, counts from 1 to the data set's size
+    (the training set's with a DistributedSampler's padding, up to W - 1 samples)."""
+    lines = t.epoch_lines
+    if not lines:
+        raise NotChecked("no epoch lines")
+    sizes = {"train": t.train_digits + t.world - 1, "test": t.test_digits}
+    for line in lines[: t.epochs]:
+        epoch = int(line["epoch"])
+        said = f"epoch {epoch} reports"
+        for name in FIGURES:
+            if not math.isfinite(line[name]):
+                return fails(
+                    f"{said} {name}={line[name]}: not a number. A sum divided by a count of 0,"
+                    " or a loss that diverged"
+                )
+        if line["train_loss"] < 0:
+            return fails(
+                f"{said} train_loss={line['train_loss']}: a cross-entropy is never negative. Sum"
+                " each batch's F.cross_entropy times its size, and divide by the samples"
+            )
+        for kind in ("train", "test"):
+            accuracy, seen = line[f"{kind}_acc"], line[f"{kind}_samples"]
+            figures = f"{kind}_acc={accuracy:.2f}% of {kind}_samples={seen:g}"
+            if not 0 <= accuracy <= 100:
+                drawn = t.draws(epoch - 1, training=kind == "train")
+                together, alone = sum(map(len, drawn.values())), len(drawn.get(0, []))
+                correct = round(accuracy * seen / 100)
+                if accuracy > 100 and seen == alone < together and correct <= together:
+                    why = (
+                        f" {correct} correct predictions, summed over the ranks, divided by rank"
+                        f" 0's own {kind} samples: the ranks drew {count(together)} together."
+                        " Sum both counts over the ranks (one dist.all_reduce of a tensor that"
+                        " holds both), then divide"
+                    )
+                else:
+                    why = (
+                        " a share of the samples is from 0 to 100%: divide the correct"
+                        " predictions by the samples they were counted on, both summed over"
+                        " the ranks"
+                    )
+                return fails(
+                    f"{said} {figures}, {'above 100' if accuracy > 0 else 'below 0'}%:{why}"
+                )
+            if not 1 <= seen <= sizes[kind]:
+                drawn = t.draws(epoch - 1, training=kind == "train")
+                together = sum(map(len, drawn.values()))
+                times = seen / together if together else 0
+                again = (
+                    f"; {times:g} times the {count(together)} the ranks drew: summed over the"
+                    " ranks more than once?"
+                    if times > 1 and times == int(times)
+                    else ""
+                )
+                return fails(
+                    f"{said} {kind}_samples={seen:g}, {'more' if seen > 1 else 'fewer'} than the"
+                    f" {kind} set can give ({count(sizes[kind])} at most{again}): count each"
+                    " sample once, on the rank that drew it, and sum the counts over the ranks"
+                    " once"
+                )
+    return holds(
+        f"{len(lines)} epoch lines: losses of 0 or more, accuracies from 0 to 100%, counts"
+        f" within the data sets' {count(sizes['train'])} and {count(sizes['test'])}"
+    )
+
+
 def check_counts(t: Training) -> Verdict:
     """Every epoch line's counts are sums over the ranks: what the ranks drew together."""
-    lines = t.run.epochs()
+    lines = t.epoch_lines
     if not lines:
         raise NotChecked("no epoch lines")
     for epoch, line in enumerate(lines[: t.epochs]):
@@ -427,7 +752,7 @@ def check_checkpoint(t: Training) -> Verdict:
     model = t.module.Net()
     # strict: every key matches the bare model
     model.load_state_dict(state)
-    trained = t.params().get(0)
+    trained = trained_weights(t, dict(model.named_parameters()))
     if trained is None:
         raise NotChecked("rank 0's trained weights were not recorded")
     if not all(map(torch.equal, model.parameters(), trained)):
@@ -436,6 +761,19 @@ def check_checkpoint(t: Training) -> Verdict:
         f"written once, by rank 0; {len(state)} keys without 'module.' load into the script's"
         " Net and equal the trained weights"
     )
+
+
+def trained_weights(t: Training, saved: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """Rank 0's model at the end, parameter by parameter in the order of `saved` (the
+    checkpoint's): the DDP-wrapped model whose parameters have the checkpoint's names (the
+    checker's record), else the parameters of the optimizer (the probe's)."""
+    ranks, _ = checker().read(t.check_dir)
+    for rank in ranks:
+        for end in rank.of("end") if rank.rank == 0 else []:
+            held = torch.load(end["saved"], weights_only=True)
+            if held.keys() == saved.keys():
+                return [held[name] for name in saved]
+    return t.params().get(0)
 
 
 def check_read_after_write(t: Training) -> Verdict:
@@ -450,11 +788,39 @@ def check_read_after_write(t: Training) -> Verdict:
     return holds(f"{len(reads)} reads by other ranks, each after the barrier after the write")
 
 
+def check_evaluation(t: Training) -> Verdict:
+    """Each rank evaluates in eval mode: model.eval() turns dropout off (and makes batch norm
+    use its running statistics). The probe's first forward of each pass of every loader but the
+    training one (the test set's)."""
+    tested: dict[int, list[dict]] = {}
+    for rank, pid in sorted(t.pids.items()):
+        training = t.training_loader(pid)
+        tested[rank] = [
+            e
+            for e in t.events(pid)
+            if e["event"] == "forward" and e["loader"] not in (None, training)
+        ]
+        on = [e for e in tested[rank] if e["train"]]
+        if on:
+            epochs = ", ".join(str(e["pass"] + 1) for e in on)
+            return fails(
+                f"rank {rank} evaluated in train mode (its test forwards of epochs {epochs}):"
+                " dropout was on while it tested. Call model.eval() before evaluating, and"
+                " model.train() before training again"
+            )
+    passes = {rank: len(found) for rank, found in tested.items() if found}
+    if not passes:
+        raise NotChecked("no forward on a test batch was recorded")
+    return holds(f"in eval mode at every test pass ({per_rank(passes)})")
+
+
 def check_accuracy(t: Training) -> Verdict:
-    epochs = t.run.epochs()
+    epochs = t.epoch_lines
     if len(epochs) < t.epochs:
         raise NotChecked(f"{len(epochs)} epoch lines for {t.epochs} epochs")
     accuracy = epochs[-1]["test_acc"]
+    if not 0 <= accuracy <= 100:
+        return fails(f"test_acc={accuracy}% after {t.epochs} epochs is no accuracy")
     if accuracy < MIN_TEST_ACC:
         return fails(f"test accuracy after {t.epochs} epochs: {accuracy}%")
     return holds(f"{accuracy}% after {t.epochs} epochs")

@@ -6,22 +6,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .causes import exceptions
 from .checks import (
     MIN_TEST_ACC,
     NotChecked,
     Verdict,
     check_accuracy,
+    check_batches,
     check_checkpoint,
     check_counts,
+    check_evaluation,
+    check_figures,
     check_gpu,
     check_gradient,
     check_group,
     check_in_sync,
+    check_optimizer,
     check_order,
     check_printing,
     check_read_after_write,
     check_run,
     check_shards,
+    check_steps,
     check_test_shares,
     check_threads,
     fails,
@@ -54,6 +60,19 @@ CLAIMS = [
     ),
     Claim("printing", "step 1", "only rank 0 prints the epoch lines", check_printing),
     Claim(
+        "optimizer",
+        "step 2",
+        "the optimizer steps the parameters of the model that computes the loss, and they change",
+        check_optimizer,
+    ),
+    Claim(
+        "steps",
+        "step 2",
+        "every optimizer step, in every epoch, follows one forward and backward() of one batch,"
+        " in train mode",
+        check_steps,
+    ),
+    Claim(
         "gradient",
         "step 2",
         "a step applies, on every rank, one process's gradient on all ranks' batches together",
@@ -66,12 +85,25 @@ CLAIMS = [
         "each epoch the ranks split one permutation of the training set",
         check_shards,
     ),
+    Claim(
+        "batches",
+        "step 3",
+        "each rank's training batches hold --batch-size samples: it is per process",
+        check_batches,
+    ),
     Claim("order", "step 3", "the order is shuffled, and new each epoch", check_order),
     Claim(
         "test_shares",
         "step 3",
         "each rank evaluates its own share of the test set, without padding",
         check_test_shares,
+    ),
+    Claim(
+        "figures",
+        "step 3",
+        "every figure of the epoch lines is possible: losses >= 0, accuracies within 0-100%,"
+        " counts within the data sets",
+        check_figures,
     ),
     Claim(
         "counts",
@@ -92,6 +124,12 @@ CLAIMS = [
         "no rank reads the checkpoint before rank 0 has written it (a barrier between)",
         check_read_after_write,
     ),
+    Claim(
+        "evaluation",
+        "result",
+        "every rank evaluates in eval mode (model.eval(): no dropout)",
+        check_evaluation,
+    ),
     Claim("accuracy", "result", f"test accuracy >= {MIN_TEST_ACC}%", check_accuracy),
 ]
 
@@ -104,6 +142,8 @@ class Finding:
     # ok: the evidence; FAIL: the cause and what to do; --: why it was not checked
     text: str
     blame: str | None = None
+    # a failure that accounts for the job's crash (Verdict.explains): it opens the report
+    explains_crash: bool = False
 
     @property
     def headline(self) -> str:
@@ -111,8 +151,9 @@ class Finding:
 
 
 def grade(t: Training) -> list[Finding]:
-    """Every claim, in step order: holds, fails, or not checked."""
-    findings = []
+    """Every claim, in step order: holds, fails, or not checked. A failure that accounts for
+    the job's crash (a missing DDP wrap for an AttributeError on `model.module`) says so."""
+    findings, explaining = [], {}
     for claim in CLAIMS:
         try:
             verdict = claim.check(t)
@@ -124,11 +165,33 @@ def grade(t: Training) -> list[Finding]:
             verdict = fails(f"{type(error).__name__}: {error}")
         if verdict.problem:
             findings.append(Finding(claim, "FAIL", verdict.problem, verdict.blame))
+            explaining[claim.key] = verdict.explains
         else:
             findings.append(Finding(claim, "ok", verdict.evidence))
+    crash = crashed(t) if findings[0].status == "FAIL" else None
+    for f in findings[1:]:
+        explains = explaining.get(f.claim.key)
+        if crash and explains and explains(crash):
+            f.text = f"{f.text}. That is why {findings[0].text}"
+            f.explains_crash = True
+            break
     return findings
 
 
+def crashed(t: Training) -> str | None:
+    """The `Type: message` of the first rank that raised on its own, when the job failed."""
+    own = [c for c in exceptions(t) if not c["in_communication"]] if t.failed else []
+    return own[0]["what"] if own else None
+
+
 def failing(findings: list[Finding]) -> dict[str, Finding]:
-    """claim key -> finding, for the claims that fail."""
-    return {f.claim.key: f for f in findings if f.status == "FAIL"}
+    """claim key -> finding, for the claims that fail, the one that opens the report first."""
+    failed = [f for f in findings if f.status == "FAIL"]
+    failed.sort(key=lambda f: not f.explains_crash)
+    return {f.claim.key: f for f in failed}
+
+
+def first_failure(findings: list[Finding]) -> Finding | None:
+    """The failure that opens the report: the first in step order, unless a later one accounts
+    for the job's crash (the crash's own line is then a consequence)."""
+    return next(iter(failing(findings).values()), None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .causes import endings
-from .claims import Finding
+from .claims import Finding, failing
 from .run import Training
 
 
@@ -19,9 +19,10 @@ def table(findings: list[Finding]) -> list[str]:
 
 def report(findings: list[Finding], t: Training) -> str:
     """On success: every claim with its evidence. On failure, in ten lines or so: the first
-    failure with its cause (the headline); the other failures; when the job failed, how each
+    failure with its cause (the headline: the first in step order, or one that accounts for
+    the job's crash); the other failures; when the job failed, how each
     rank ended; a count of the rest and the log that holds everything; the headline again."""
-    failed = [f for f in findings if f.status == "FAIL"]
+    failed = list(failing(findings).values())
     write_log(findings, t)
     name = f"{t.target.script}, {t.target.launcher} on {t.world} ranks"
     if not failed:

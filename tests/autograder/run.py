@@ -32,6 +32,18 @@ GRADE_EPOCHS = 3
 # Samples per optimizer step over all ranks: each rank's --batch-size is this over the world
 # size (32 on 2 ranks, 21 on 3), so every world size solves nearly the same problem.
 GLOBAL_BATCH = 64
+# The --lr every grading passes (Adadelta's default).
+LR = 1.0
+# An epoch line as the solutions print it, its figures read whatever they hold (a negative
+# loss, nan, a percentage above 100), so that the grader can tell an impossible one.
+FIGURE = r"(-?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))"
+EPOCH_LINE = re.compile(
+    rf"^epoch (?P<epoch>\d+)/(?P<epochs>\d+) train_loss={FIGURE} train_acc={FIGURE}%"
+    rf" train_samples={FIGURE} test_acc={FIGURE}% test_samples={FIGURE}"
+    rf"(?: samples/s={FIGURE} epoch_s={FIGURE})?[ \t]*$",
+    re.MULTILINE,
+)
+FIGURES = ("train_loss", "train_acc", "train_samples", "test_acc", "test_samples")
 
 # What `srun --ntasks=$NTASKS --kill-on-bad-exit=1` does on one node, for machines without
 # Slurm: start every task with Slurm's variables; when one fails, end the others and fail.
@@ -102,6 +114,11 @@ def graded_targets() -> list[Target]:
     ]
 
 
+def batch_size(world: int) -> int:
+    """The --batch-size a grading on `world` ranks passes: per process, GLOBAL_BATCH over all."""
+    return max(1, GLOBAL_BATCH // world)
+
+
 def threads_per_task(world: int) -> int:
     """The OMP_NUM_THREADS a job script exports: the cores shared among the tasks."""
     return max(1, len(os.sched_getaffinity(0)) // world)
@@ -135,6 +152,21 @@ class Training:
     @property
     def failed(self) -> bool:
         return self.run.returncode != 0
+
+    @property
+    def batch_size(self) -> int:
+        """The --batch-size passed: per process."""
+        return batch_size(self.world)
+
+    @cached_property
+    def epoch_lines(self) -> list[dict[str, float]]:
+        """The epoch lines printed, their figures as numbers, whatever they hold (nan, -1, 250):
+        epoch, epochs, train_loss, train_acc, train_samples, test_acc, test_samples."""
+        names = ("epoch", "epochs", *FIGURES, "samples_per_s", "epoch_s")
+        return [
+            {n: float(v) for n, v in zip(names, m.groups(), strict=True) if v is not None}
+            for m in EPOCH_LINE.finditer(self.run.stdout)
+        ]
 
     @cached_property
     def pids(self) -> dict[int, int]:
@@ -222,7 +254,23 @@ class Training:
     def whole_epochs(self) -> int:
         """Epochs that every rank finished: all of them, unless the job failed; then those
         rank 0 printed (it prints after summing every rank's counts)."""
-        return min(self.epochs, len(self.run.epochs())) if self.failed else self.epochs
+        return min(self.epochs, len(self.epoch_lines)) if self.failed else self.epochs
+
+    def steps(self, pid: int, optimizer: int | None = 0) -> list[dict]:
+        """The process's optimizer steps, in order (probe: step): of its `optimizer`-th built
+        (0: the first, the one the probe's params.pt holds), or of every one (None)."""
+        return [
+            e
+            for e in self.events(pid)
+            if e["event"] == "step" and optimizer in (None, e["optimizer"])
+        ]
+
+    def epoch_of(self, pid: int, step: dict) -> int | None:
+        """The epoch (0, 1, ...) of a step: the pass of the training loader it followed."""
+        where = step.get("pass")
+        if where and where[0] == self.training_loader(pid):
+            return where[1]
+        return None
 
     def first_steps(self) -> dict[int, dict]:
         """rank -> what its first optimizer step was made of (probe: record_first_step)."""
@@ -283,13 +331,18 @@ def train(
     for a run meant to hang, launch_timeout counts from when it holds (conftest.launch)."""
     checkpoint = tmp_path / "ckpt" / "mnist_cnn.pt"
     script = REPO / target.script
-    batch = max(1, GLOBAL_BATCH // target.world)
-    script_args = [str(script), "--batch-size", str(batch), "--lr", "1.0", "--seed", "0"]
+    batch = batch_size(target.world)
+    script_args = [str(script), "--batch-size", str(batch), "--lr", str(LR), "--seed", "0"]
     script_args += ["--epochs", str(epochs), "--data-dir", str(data)]
     script_args += ["--checkpoint", str(checkpoint)]
     if workers is not None:
         script_args += ["--workers", str(workers)]
-    env = {"DDP_TIMEOUT_S": str(collective_timeout_s), "DDP_PROBE_FIRST_STEP": "1", **(env or {})}
+    env = {
+        "DDP_TIMEOUT_S": str(collective_timeout_s),
+        "DDP_PROBE_FIRST_STEP": "1",
+        "DDP_PROBE_STEPS": "1",
+        **(env or {}),
+    }
     if target.launcher == "torchrun":
         command = [TORCHRUN, "--standalone", f"--nproc_per_node={target.world}", *script_args]
     else:

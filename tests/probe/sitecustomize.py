@@ -43,6 +43,32 @@ and "time". The events:
               first step: what one step computed goes to <pid>.first_step.pt (see
               record_first_step)
 
+With DDP_PROBE_STEPS=1 (the exercise autograder's), what training computed, step by step. A
+"forward" is a call of a module with parameters from outside any module (the model's call, not
+its layers'); "in train mode" means that module and all its submodules are:
+
+- step        {optimizer, backwards, forwards, train, samples, model, leftover, params,
+              graded, changed, lr, pass}
+              after every optimizer step: optimizer = its number in the order the optimizers
+              were built (0: the first, whose parameters go to <pid>.params.pt); backwards =
+              backward() calls since this optimizer's previous step; forwards = forwards with
+              gradients on since then; train = whether the forward before each of those
+              backward() calls was in train mode (None without any); samples = the size (dim 0)
+              of each of those forwards' input; model = [class, parameters that require grad,
+              how many of them the optimizer holds] of the module of the last of those forwards
+              (None without any); leftover = how many of that module's parameters held a
+              non-zero gradient when the first backward() since the previous step (of any
+              optimizer) began: gradients no zero_grad() cleared (None without a backward());
+              params = the parameters the optimizer holds, graded = how many had a gradient;
+              changed = how many the step changed (on the optimizer's first step only, else
+              None); lr = its first parameter group's learning rate; pass = [loader, pass] of
+              the last batch a loader handed out (see batch; None before any)
+- forward     {loader, pass, train, grad, samples}  the first forward after a loader hands
+              out a batch of a new pass (or of another loader): which loader and pass it
+              follows, whether it ran in train mode and with gradients on, its input's size
+- wrap        {module, init_sync}    a DistributedDataParallel is made: the class it wraps,
+              and its init_sync (False: rank 0's weights are not copied to the other ranks)
+
 Faults, injected when a test asks for them:
 
 - DDP_PROBE_FAIL_RANK = R: the process whose launcher-given rank (RANK, else SLURM_PROCID) is R
@@ -83,6 +109,10 @@ SAMPLER_SETTINGS = ("epoch", "seed", "shuffle", "num_replicas", "rank", "drop_la
 
 # The first optimizer the process builds: the one that trains the model.
 optimizers: list = []
+# How many optimizers were built (each is numbered in creation order: its _probe_number).
+optimizer_count = [0]
+# [loader, pass] of the last batch a loader's batch sampler handed out (record_batches).
+current_pass: list = [None]
 # torch.save as it was before the probe, for the probe's own files.
 original_save = None
 
@@ -308,6 +338,7 @@ def record_batches() -> None:
         if batch_number == 0:
             fields["sampler"] = sampler_settings(getattr(sampler, "sampler", None))
         record("batch", **fields)
+        current_pass[0] = [loader, pass_number]
         if loader == 0 and dist.is_initialized():
             now = (dist.get_rank(), pass_number, batch_number)
             if now == kill_at and first_attempt:
@@ -393,6 +424,8 @@ def record_optimizer() -> None:
         # may be a generator: materialise it once for both uses
         params = list(params)
         original(self, params, *args, **kwargs)
+        self._probe_number = optimizer_count[0]
+        optimizer_count[0] += 1
         if not optimizers:
             optimizers.append(self)
 
@@ -404,17 +437,30 @@ def record_first_step() -> None:
     <pid>.first_step.pt: {params: the weights before the step, grads: the gradients it
     applies, inputs: the model's input at the last forward of a module with parameters,
     called from outside any module, rng: the CPU random state just before that forward (it
-    decides dropout), labels: the second tensor of the last batch a DataLoader gave}. With
-    them, one process can recompute what the step should have been. The hooks (on every
-    module call) go once the step is recorded."""
+    decides dropout), labels: the second tensor of the last batch a DataLoader gave,
+    forwards: [{inputs, rng, labels}, as above, at each backward() call before the step] (at
+    most 16: more than one when the gradients of several batches were summed)}. With them,
+    one process can recompute what the step should have been. The hooks (on every module call)
+    go once the step is recorded."""
     import torch
     import torch.nn as nn
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    seen: dict = {}
+    seen: dict = {"forwards": []}
     depth = [0]
     original_next = _BaseDataLoaderIter.__next__
+    original_backward = torch.autograd.backward
+
+    def labels_of(batch):
+        labels = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+        return labels.detach().cpu().clone() if torch.is_tensor(labels) else None
+
+    def backward(*args, **kwargs):
+        if len(seen["forwards"]) < 16:
+            part = {"inputs": seen.get("inputs"), "rng": seen.get("rng")}
+            seen["forwards"].append({**part, "labels": labels_of(seen.get("batch"))})
+        return original_backward(*args, **kwargs)
 
     def next_batch(self):
         batch = original_next(self)
@@ -437,26 +483,144 @@ def record_first_step() -> None:
         for handle in handles:
             handle.remove()
         _BaseDataLoaderIter.__next__ = original_next
+        torch.autograd.backward = original_backward
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        batch = seen.get("batch")
-        labels = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
         step = {
             "params": [p.detach().cpu().clone() for p in params],
             "grads": [None if p.grad is None else p.grad.detach().cpu().clone() for p in params],
             "inputs": seen.get("inputs"),
             "rng": seen.get("rng"),
-            "labels": labels.detach().cpu().clone() if torch.is_tensor(labels) else None,
+            "labels": labels_of(seen.get("batch")),
+            "forwards": seen["forwards"],
         }
         original_save(step, probe_file("first_step.pt"))
         inputs = step["inputs"]
         record("first_step", samples=None if inputs is None else len(inputs))
 
     _BaseDataLoaderIter.__next__ = next_batch
+    torch.autograd.backward = backward
     handles = [
         nn.modules.module.register_module_forward_pre_hook(before_forward),
         nn.modules.module.register_module_forward_hook(after_forward, always_call=True),
         register_optimizer_step_pre_hook(before_step),
     ]
+
+
+def record_steps() -> None:
+    """step after every optimizer step, forward at the first forward of each loader pass, wrap
+    at each DistributedDataParallel made (DDP_PROBE_STEPS=1): what training computed. The
+    hooks stay for the whole run: a few attribute reads per model call, a record per step."""
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    depth = [0]
+    # the last forward with gradients on: (module, in train mode, input size); the [loader,
+    # pass] the last forward record followed; how many forwards and backward() calls so far
+    last: dict = {"forward": None, "pass": False}
+    counts = {"forwards": 0, "backwards": 0}
+    # the forward before each of the last 16 backward() calls
+    backwards: list = []
+    # backward() calls at the last step of any optimizer; the leftover gradients the first
+    # backward() after it found
+    stepped = {"backwards": 0, "leftover": None}
+
+    def before_forward(module, args):
+        first = depth[0] == 0 and args and torch.is_tensor(args[0])
+        depth[0] += 1
+        if not first or not any(True for _ in module.parameters()):
+            return
+        train = all(m.training for m in module.modules())
+        samples = len(args[0]) if args[0].dim() else 1
+        grad = torch.is_grad_enabled()
+        if grad:
+            counts["forwards"] += 1
+            last["forward"] = (module, train, samples)
+        if current_pass[0] != last["pass"]:
+            last["pass"] = current_pass[0]
+            loader, number = current_pass[0] or (None, None)
+            fields = {"loader": loader, "pass": number, "train": train, "grad": grad}
+            record("forward", **fields, samples=samples)
+
+    def after_forward(module, args, output):
+        depth[0] -= 1
+
+    original_backward = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        if counts["backwards"] == stepped["backwards"] and last["forward"] is not None:
+            grads = [p.grad for p in last["forward"][0].parameters() if p.grad is not None]
+            stepped["leftover"] = sum(bool(g.any()) for g in grads)
+        counts["backwards"] += 1
+        backwards.append(last["forward"])
+        del backwards[:-16]
+        return original_backward(*args, **kwargs)
+
+    def held_params(optimizer) -> list:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def before_step(optimizer, args, kwargs):
+        params = held_params(optimizer)
+        seen = optimizer.__dict__
+        if not seen.get("_probe_steps"):
+            seen["_probe_before"] = [p.detach().clone() for p in params]
+        n = counts["backwards"] - seen.get("_probe_backwards", 0)
+        forwards = backwards[len(backwards) - n :] if n else []
+        model = None
+        if forwards and forwards[-1] is not None:
+            ids = {id(p) for p in params}
+            trained = [p for p in forwards[-1][0].parameters() if p.requires_grad]
+            model = [type(forwards[-1][0]).__name__, len(trained)]
+            model.append(sum(id(p) in ids for p in trained))
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        seen["_probe_pending"] = {
+            "optimizer": seen.get("_probe_number"),
+            "backwards": n,
+            "forwards": counts["forwards"] - seen.get("_probe_forwards", 0),
+            "train": all(f[1] for f in forwards if f) if forwards else None,
+            "samples": [f[2] for f in forwards if f],
+            "model": model,
+            "leftover": stepped["leftover"] if n else None,
+            "params": len(params),
+            "graded": sum(p.grad is not None for p in params),
+            "changed": None,
+            "lr": float(lr) if isinstance(lr, (int, float)) or torch.is_tensor(lr) else None,
+            "pass": current_pass[0],
+        }
+
+    def after_step(optimizer, args, kwargs):
+        seen = optimizer.__dict__
+        fields = seen.pop("_probe_pending", None)
+        if fields is None:
+            return
+        before = seen.pop("_probe_before", None)
+        if before is not None:
+            pairs = zip(before, held_params(optimizer), strict=False)
+            fields["changed"] = sum(not torch.equal(a, p.detach()) for a, p in pairs)
+        seen["_probe_steps"] = seen.get("_probe_steps", 0) + 1
+        seen["_probe_backwards"] = counts["backwards"]
+        seen["_probe_forwards"] = counts["forwards"]
+        stepped.update(backwards=counts["backwards"], leftover=None)
+        record("step", **fields)
+
+    original_init = DistributedDataParallel.__init__
+
+    def ddp_init(self, module, *args, **kwargs):
+        original_init(self, module, *args, **kwargs)
+        # by name, else 5th after the module (device_ids, output_device, dim, broadcast_buffers)
+        init_sync = kwargs.get("init_sync", args[4] if len(args) > 4 else True)
+        record("wrap", module=type(module).__name__, init_sync=bool(init_sync))
+
+    DistributedDataParallel.__init__ = ddp_init
+    torch.autograd.backward = backward
+    nn.modules.module.register_module_forward_pre_hook(before_forward)
+    nn.modules.module.register_module_forward_hook(after_forward, always_call=True)
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
 
 
 def record_exceptions() -> None:
@@ -502,6 +666,9 @@ def install() -> None:
     record_checkpoint_files()
     record_batches()
     record_optimizer()
+    # (before the first step's hooks: those restore what they wrapped, these stay)
+    if os.environ.get("DDP_PROBE_STEPS") == "1":
+        record_steps()
     if os.environ.get("DDP_PROBE_FIRST_STEP") == "1":
         record_first_step()
     record_exceptions()
