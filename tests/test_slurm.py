@@ -500,7 +500,7 @@ def test_two_jobs_from_one_directory_keep_their_files_and_a_requeued_one_resumes
     requeued, log = jobs[0], logs[0]
     said = [
         f"job {requeued.id}: start 1 on",
-        f"job {requeued.id}: time limit near: requeued, to resume from runs/{requeued.id}/",
+        f"job {requeued.id}: time limit near: requeueing, to resume from runs/{requeued.id}/",
         f"job {requeued.id}: start 2 on",
         f"resumed from runs/{requeued.id}/snapshot.pt: 0 of 1 epochs, {PAUSE_AT[2]} steps done",
     ]
