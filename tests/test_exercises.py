@@ -139,7 +139,7 @@ def test_starting_point_fails_at_step_1(
 # (32 on 2 ranks, 21 on 3): these runs show mistakes, they do not learn. The second half: what
 # training computes, beside what DDP computes (an impossible figure, the batch asked for, train
 # mode, one batch per step, the optimizer on the trained model), and causes that another
-# rank's error or a later step's crash used to hide.
+# rank's error or a later step's crash would hide.
 PLANTED = {
     "loss divided by the world size": [
         "sampler seeded with the rank",
