@@ -72,6 +72,12 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
+def stop(message: str) -> None:
+    # step 10: one write; torchrun runs python -u, and sys.exit writes twice
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(1)
+
+
 def read_launcher_env(env=os.environ) -> tuple[int, ...]:
     # step 6: torchrun and srun say who each process is; python: a world of one
     if "RANK" not in env and "SLURM_STEP_ID" not in env:
@@ -205,7 +211,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
             if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # say why first
                 os.kill(os.getppid(), signal.SIGTERM)  # torchrun's agent
-            sys.exit(f"error: another run is using {args.snapshot}")
+            stop(f"another run is using {args.snapshot}")
         if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
             os.remove(args.snapshot + ".tmp")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -257,12 +263,12 @@ def main(args: argparse.Namespace) -> None:  # step 6
             saved = torch.load(args.snapshot, map_location="cpu")
         except Exception as error:  # its kind, and torch's first sentence
             why = f"{type(error).__name__}: {error}".split(". ")[0].rstrip(": ")
-            sys.exit(f"error: {args.snapshot} is not a snapshot ({why})")
+            stop(f"{args.snapshot} is not a snapshot ({why})")
         ran = saved.get("run", {})  # step 10
         for name, value in run.items():
             if ran.get(name) != value:
                 what = f"{name} {ran.get(name)} there, {value} here"
-                sys.exit(f"error: {args.snapshot} is another run's: {what}")
+                stop(f"{args.snapshot} is another run's: {what}")
         first_step = saved["step"]  # step 8: the steps done in the epoch
         for name, obj in state.items():
             if name != "loader" or first_step:  # step 8: at 0, a new loader
@@ -276,9 +282,8 @@ def main(args: argparse.Namespace) -> None:  # step 6
 
     # step 8: an epoch's steps, and the saver the training loop calls
     per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
-    save = partial(
-        save_snapshot, args.snapshot, state, run, args.snapshot_every
-    )
+    every = args.snapshot_every  # step 10
+    save = partial(save_snapshot, args.snapshot, state, run, every)
     for epoch in range(start_epoch, args.epochs):  # step 7
         # step 3: a new shuffle every epoch, else epoch 0's order; and each
         # rank its own crops and flips; the weights stay those DDP broadcast
