@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TORCHRUN, Run, checker, launch
+from conftest import PYTHON, REPO, TORCHRUN, Run, checker, free_port, launch, with_environ
 
 FOLDER = "part4_torchrun/your_script"
 CHECKER = [PYTHON, f"{FOLDER}/checker/ddp_check.py"]
@@ -289,6 +293,10 @@ def test_wrapper_effects_fail_the_single_device_way_and_pass_the_ddp_way() -> No
         "loader=DistributedSampler len_dataset=10 local_acc=50.0% global_acc=100.0%",
         "loader=Subset len_dataset=5 local_acc=100.0% global_acc=200.0%",
     ]
+    # A shard's last batch is shorter than --batch-size: 6 samples of 3 x 3 a rank, batches of 4.
+    assert unfixed["full_batch"] == [
+        "error=RuntimeError: shape '[4, -1]' is invalid for input of size 18"
+    ]
 
     fixed_run = torchrun("wrapper.py", "--fix")
     # forward_sync_buffers, not the deprecated broadcast_buffers: no FutureWarning on any rank
@@ -304,39 +312,7 @@ def test_wrapper_effects_fail_the_single_device_way_and_pass_the_ddp_way() -> No
         f"device={built if usable else 'cpu'} backend={'nccl' if usable else 'gloo'} ok"
     ]
     assert all("acc=100.0% global_acc=100.0%" in line for line in fixed["len_dataset"])
-
-
-# ---- equivalence.py: the recipe -----------------------------------------------------------------
-
-
-def test_one_process_reproduces_the_original_and_two_ranks_match_it_then_drift_slowly() -> None:
-    pattern = r"^equivalence ranks=(\d) .* dtype=(\w+) step=(\d+) max_abs_diff=(\S+)$"
-
-    def diffs(run: Run) -> dict[tuple[str, int], float]:
-        rows = re.findall(pattern, run.stdout, re.MULTILINE)
-        return {(dtype, int(step)): float(diff) for _, dtype, step, diff in rows}
-
-    alone = diffs(launch([PYTHON, f"{FOLDER}/equivalence.py"], timeout=TIMEOUT))
-    assert len(alone) == 6 and set(alone.values()) == {0.0}, "bit for bit, at every checkpoint"
-    two = diffs(torchrun("equivalence.py"))
-    assert sorted(two) == sorted(alone)
-    # After one step: equal to rounding (float32 ~1e-7, float64 ~1e-16 of weights of order 1).
-    assert two["float32", 1] < 1e-6 and two["float64", 1] < 1e-14, two
-    # After that the difference grows, slowly, and float64 stays far below float32.
-    for dtype in ("float32", "float64"):
-        assert two[dtype, 1] <= two[dtype, 10] <= two[dtype, 100], two
-    assert two["float32", 100] < 1e-4 and two["float64", 100] < 1e-12, two
-    assert two["float64", 100] < two["float32", 1], two
-    # The recipe's warning on data order: one replica of a DistributedSampler does not draw the
-    # order of shuffle=True from the same seed.
-    import torch
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    data = list(range(32))
-    torch.manual_seed(0)
-    shuffled = [int(i) for i in DataLoader(data, batch_size=None, shuffle=True)]
-    sampled = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
-    assert sorted(shuffled) == sorted(sampled) == data and shuffled != sampled
+    assert fixed["full_batch"] == ["ok rows=[4, 2]"]
 
 
 # ---- the checker's report alone ----------------------------------------------------------------
@@ -375,3 +351,351 @@ def test_checker_reports_loaders_that_every_rank_reads_whole_and_refuses_bad_inp
     for args in ([], ["--report", str(tmp_path / "missing")]):
         run = launch([*CHECKER, *args], timeout=TIMEOUT, check=False)
         assert run.returncode == 2 and "error:" in run.stderr and "Traceback" not in run.stderr
+
+
+# ---- the checker on planted ports: buffers, draws, seeds, duplicates, deadlines, signals -------
+
+# Seconds per launch of the tests below (a loaded 2-core machine: 8-20 s each).
+SLOW = 180
+# A port's mistakes, in one script: BatchNorm statistics left as each rank's, noise drawn in
+# forward from one seed for all, a DistributedSampler seeded by rank; and what is right but was
+# misread: a rank-0-first barrier, a data set whose rows come in identical pairs, the wrapper
+# dropped before the end. --fix: seed + rank after building the model, one sampler seed,
+# rank 0's buffers broadcast at the end.
+PLANTED = """\
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before init_process_group: a clean exit)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+fix = "--fix" in sys.argv
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+
+
+class Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.lin(x) + torch.randn(x.shape[0], 4))
+
+
+model = DDP(Noisy())
+if fix:
+    torch.manual_seed(rank)
+if rank == 0:
+    dist.barrier()  # rank 0 first
+else:
+    dist.barrier()  # the others after it
+rows = torch.arange(8.0).repeat_interleave(2)[:, None].expand(16, 4).contiguous()
+data = TensorDataset(rows)
+alike = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+seeded = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=0 if fix else rank))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for loader in (alike, seeded):
+    for (x,) in loader:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+if fix:
+    for buffer in model.module.buffers():
+        dist.broadcast(buffer, 0)
+model = model.module
+dist.destroy_process_group()
+"""
+# Hangs without a timeout of their own: `barrier`: rank 0 waits in a barrier while the other
+# ranks sleep; `sleep`: every rank sleeps, in no collective.
+HANG = """\
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before init_process_group: a clean exit)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(2, 2))
+model(torch.full((1, 2), float(dist.get_rank()))).sum().backward()
+if sys.argv[1] == "barrier" and dist.get_rank() == 0:
+    dist.barrier()  # waits for the others
+else:
+    time.sleep(600)  # busy elsewhere
+dist.destroy_process_group()
+"""
+
+
+def planted(tmp_path: Path, name: str, text: str) -> tuple[str, dict[str, int]]:
+    """The script written into tmp_path, and the line of each comment it holds."""
+    path = tmp_path / name
+    path.write_text(text)
+    lines = {
+        line.split("# ", 1)[1]: number
+        for number, line in enumerate(text.splitlines(), 1)
+        if "# " in line
+    }
+    return str(path), lines
+
+
+def checked(*commands: list[str], env: dict[str, str] | None = None) -> list[Run]:
+    """Each command under the checker, two at a time; `env`: for the last one only."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(
+                launch,
+                [*CHECKER, *command],
+                timeout=SLOW,
+                check=False,
+                env=env if number == len(commands) - 1 else None,
+            )
+            for number, command in enumerate(commands)
+        ]
+        return [future.result() for future in futures]
+
+
+def saved_difference(records: Path, key: str) -> tuple[list[str], float]:
+    """From the recorder's end records of model 0: the tensors (`key`: saved, saved_buffers)
+    that differ between the 2 ranks, and their largest difference."""
+    import torch
+
+    ranks, _ = checker().read(records)
+    a, b = (torch.load(r.of("end")[0][key], weights_only=True) for r in ranks)
+    differing = [n for n in a if not torch.equal(a[n], b[n])]
+    drift = max(((a[n].double() - b[n].double()).abs().max().item() for n in differing), default=0)
+    return differing, drift
+
+
+def test_checker_sees_buffers_draws_and_sampler_seeds_and_not_duplicates_or_barrier_lines(
+    tmp_path: Path,
+) -> None:
+    script, lines = planted(tmp_path, "planted.py", PLANTED)
+    records = {fix: tmp_path / f"records_{fix}" for fix in (False, True)}
+    unfixed, fixed = checked(
+        *(
+            ["--keep", str(records[fix]), "--draws", *TWO_RANKS, script, *(["--fix"] * fix)]
+            for fix in (False, True)
+        )
+    )
+    assert unfixed.returncode == 1, unfixed.describe()
+    assert fixed.returncode == 0, fixed.describe()
+    found = {False: report(unfixed), True: report(fixed)}
+
+    # The wrapper dropped (model = model.module) before destroy_process_group: still recorded.
+    for fix in (False, True):
+        assert found[fix]["replicas equal (model 0, Noisy)"] == (
+            "ok",
+            "4 parameter tensors bit-equal on all 2 ranks at the end",
+        ), found[fix]
+
+    # BatchNorm's running statistics: each rank's own after its last batch (num_batches_tracked,
+    # broadcast by DDP before each forward, agrees); the checker measures what the files hold.
+    differing, drift = saved_difference(records[False], "saved_buffers")
+    assert differing == ["norm.running_mean", "norm.running_var"] and drift > 0, differing
+    status, detail = found[False]["buffers equal (model 0, Noisy)"]
+    assert status == "FAIL", detail
+    assert detail == (
+        f"2 of 3 buffer tensors differ at the end, first 'norm.running_mean'; max |difference|"
+        f" between ranks {drift:.4g}: make them agree before saving or evaluating: broadcast"
+        " rank 0's, or average them"
+    )
+    assert saved_difference(records[True], "saved_buffers") == ([], 0)
+    assert found[True]["buffers equal (model 0, Noisy)"] == (
+        "ok",
+        "3 buffer tensors bit-equal on all 2 ranks at the end",
+    )
+
+    # Noise drawn in forward: from one state on every rank (one seed), or each rank's own.
+    assert found[False]["draws in forward (model 0, Noisy)"] == (
+        "FAIL",
+        "the same random state on every rank at 4 of 4 training forwards that drew (first:"
+        " forward 1): a seed shared without + rank; seed each rank with seed + rank after"
+        " building the model",
+    )
+    assert found[True]["draws in forward (model 0, Noisy)"] == (
+        "ok",
+        "independent: each rank drew from a random state of its own at all 4 training forwards"
+        " that drew",
+    )
+
+    # The sampler seeded by rank: the hint names the seeds, not a missing DistributedSampler.
+    seeded = "loader samples disjoint (loader 1, TensorDataset, DistributedSampler)"
+    loader = checker().loaders(checker().read(records[False])[0])[1]
+    assert loader.samplers[0][0]["seed"] == 0 and loader.samplers[0][1]["seed"] == 1
+    shared = loader.shared(0)
+    assert shared > 1, "more than the sampler's padding"
+    assert found[False][seeded] == (
+        "FAIL",
+        f"{shared} samples drawn by more than one rank in pass 0: the DistributedSampler's seed"
+        " differs between ranks (rank 0: 0, rank 1: 1): agree the seed (broadcast rank 0's)",
+    )
+    assert found[True][seeded] == ("ok", "16 samples over 1 pass(es)")
+
+    # Rows 2i and 2i+1 are equal: with shuffle=False rank 0 draws the even indices, rank 1 the
+    # odd ones, so all 8 values reach both ranks under other indices: duplicates, not a failure.
+    duplicates = (
+        "8 rows came to more than one rank under different data-set indices: possible"
+        " duplicates in the data set, not shared samples"
+    )
+    assert found[True]["inputs disjoint"] == (
+        "ok",
+        "8 distinct rows (dim 0 of forward's first input) in 32; none went to two ranks in one"
+        f" epoch (a loader's pass, else a step); {duplicates}",
+    )
+    # Without --fix the seeded loader hands both ranks some of the same indices: those rows fail.
+    drawn = Counter(i for indices in loader.passes[0].values() for i in indices)
+    values = {index // 2 for index, n in drawn.items() if n > 1}
+    status, detail = found[False]["inputs disjoint"]
+    assert status == "FAIL" and detail.startswith(f"{len(values)} of 8 distinct rows"), detail
+    assert detail.endswith(duplicates), detail
+
+    # One barrier, called from two lines: the same sequence, the lines listed.
+    moved = (
+        "the same sequence from different lines at 1 of them (first: collective 1, barrier:"
+        f" rank 0 at planted.py:{lines['rank 0 first']}, rank 1 at"
+        f" planted.py:{lines['the others after it']})"
+    )
+    for fix, calls in ((False, 1), (True, 4)):
+        status, detail = found[fix]["same collectives"]
+        assert status == "ok" and detail.startswith(f"{calls} on every rank"), detail
+        assert detail.endswith(moved), detail
+    # What every rank must pass alike to broadcast is recorded: dtype, shape, src.
+    broadcasts = [e["args"] for e in checker().read(records[True])[0][1].of("collective")][1:]
+    assert broadcasts == ["float32[4], src=0", "float32[4], src=0", "int64[], src=0"]
+
+
+def test_checker_deadline_ends_a_hang_in_a_collective_and_one_outside_any(tmp_path: Path) -> None:
+    script, lines = planted(tmp_path, "hang.py", HANG)
+    # One process is enough for a hang outside any collective (and starts faster than torchrun).
+    alone = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    alone |= {"RANK": "0", "WORLD_SIZE": "1"}
+    in_collective, outside = checked(
+        ["--deadline", "10", *TWO_RANKS, script, "barrier"],
+        ["--deadline", "5", PYTHON, script, "sleep"],
+        env=alone,
+    )
+    # Rank 0's barrier ends in gloo's timeout, the checker's: the launch fails on its own.
+    assert in_collective.returncode == 1, in_collective.describe()
+    assert "Timed out waiting 10000ms" in in_collective.stderr, in_collective.describe()
+    barrier = lines["waits for the others"]
+    for line in (
+        "deadline 10 s: init_process_group timeout 10 s on 2 of 2 ranks; the launch ends after"
+        " 20 s without a record",
+        "the run failed (exit status 1); where each rank stopped:",
+        f"  rank 0 exited; its last record: barrier at hang.py:{barrier} after 1 training forwards",
+        "  rank 1 was killed or is still running; its last record: in or after training forward 1"
+        " (its backward's gradient all-reduce included)",
+    ):
+        assert f"ddp_check: {line}" in in_collective.stdout.splitlines(), in_collective.describe()
+    assert "ended the launch" not in in_collective.stdout
+    # Every rank asleep: no timeout fires; no record for 2 x 5 s ends the launch (a shorter
+    # deadline may end it in the first DDP(...), which imports torch._dynamo: seconds here).
+    assert outside.returncode == 124, outside.describe()
+    for line in (
+        "ended the launch: no process recorded anything for 10 s (--deadline 5)",
+        "the run failed (exit status -15); where each rank stopped:",
+        "  rank 0 was killed or is still running; its last record: in or after training forward 1"
+        " (its backward's gradient all-reduce included)",
+    ):
+        assert f"ddp_check: {line}" in outside.stdout.splitlines(), outside.describe()
+
+
+def test_checker_ends_the_whole_launch_on_sigterm_and_says_where_each_rank_waited(
+    tmp_path: Path,
+) -> None:
+    script, lines = planted(tmp_path, "hang.py", HANG)
+    records = tmp_path / "records"
+    tag = f"DDP_CHECK_TEST={tmp_path}"
+
+    def in_place() -> bool:
+        # Rank 0 in its barrier, rank 1 past its forward: then SIGTERM to the checker alone.
+        ranks, _ = checker().read(records) if records.is_dir() else ([], None)
+        last = [r.events[-1]["event"] for r in ranks]
+        if last[:1] != ["collective"] or len(ranks) < 2 or not ranks[1].of("forward"):
+            return False
+        (pid,) = [
+            p
+            for p in with_environ(tag)
+            if b"ddp_check.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        os.kill(pid, signal.SIGTERM)
+        return True
+
+    run = launch(
+        [*CHECKER, "--keep", str(records), *TWO_RANKS, script, "barrier"],
+        timeout=SLOW,
+        env={"DDP_CHECK_TEST": str(tmp_path)},
+        check=False,
+        in_place=in_place,
+        in_place_within=SLOW,
+    )
+    assert run.returncode == 128 + signal.SIGTERM, run.describe()
+    barrier = lines["waits for the others"]
+    for line in (
+        "ended the launch: SIGTERM to ddp_check",
+        f"  rank 0 was killed or is still running; its last record: barrier at hang.py:{barrier}"
+        " after 1 training forwards",
+        "  rank 1 was killed or is still running; its last record: in or after training forward 1"
+        " (its backward's gradient all-reduce included)",
+    ):
+        assert f"ddp_check: {line}" in run.stdout.splitlines(), run.describe()
+    # torchrun and both ranks (each in a session of its own) are gone with the checker.
+    assert with_environ(tag) == [], run.describe()
+
+
+def test_checker_hints_from_records_alone_sampler_arguments_collective_arguments_and_a_drop(
+    tmp_path: Path,
+) -> None:
+    # Records as the recorder writes them (no launch): rank 1 let its module go before the end;
+    # loader 0's DistributedSampler was built with num_replicas=1, rank=0 on both ranks; loader
+    # 1's was not set to the same epoch; the ranks all-reduced tensors of different shapes.
+    for rank in (0, 1):
+        sampler = {"seed": 0, "shuffle": True, "num_replicas": 1, "rank": 0, "epoch": 0}
+        events = [
+            {"event": "init", "rank": rank, "world_size": 2, "backend": "gloo"},
+            {"event": "wrap", "rank": rank, "model": 0, "module": "Net"},
+            {"event": "pass", "rank": rank, "loader": 0, "pass": 0, "sampler": sampler},
+            {"event": "pass", "rank": rank, "loader": 1, "pass": 0,
+             "sampler": dict(sampler, num_replicas=2, rank=rank, epoch=rank)},
+            *({"event": "batch", "rank": rank, "loader": loader, "pass": 0,
+               "samples": [0, 1, 2, 3], "rows": None, "sampler": "DistributedSampler",
+               "dataset": "MNIST"} for loader in (0, 1)),
+            {"event": "collective", "rank": rank, "name": "all_reduce", "file": "a.py",
+             "line": 7, "forwards": 0, "args": f"float32[{4 + rank}], op=SUM"},
+            {"event": "end", "rank": rank, "model": 0, "params": [["w", "ab"]], "buffers": [],
+             "saved": None, "saved_buffers": None} if rank == 0
+            else {"event": "dropped", "rank": rank, "model": 0},
+            {"event": "exit", "rank": rank},
+        ]  # fmt: skip
+        (tmp_path / f"{100 + rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    found = {c.name: (c.status, c.detail) for c in checker().report(tmp_path)[1]}
+    assert found["replicas equal (model 0, Net)"] == (
+        "--",
+        "rank(s) [1] let the wrapped module go before destroy_process_group() or exit, so"
+        " nothing was left to record: keep a reference to it until then",
+    )
+    assert "buffers equal (model 0, Net)" not in found, "no end record on every rank: no check"
+    assert found["loader samples disjoint (loader 0, MNIST, DistributedSampler)"] == (
+        "FAIL",
+        "4 samples drawn by more than one rank in pass 0: the DistributedSampler's num_replicas"
+        " or rank is not the process group's (rank 0: num_replicas=1 rank=0, rank 1:"
+        " num_replicas=1 rank=0; world size 2): leave them out, DistributedSampler(data) takes"
+        " them from the process group",
+    )
+    assert found["loader samples disjoint (loader 1, MNIST, DistributedSampler)"] == (
+        "FAIL",
+        "4 samples drawn by more than one rank in pass 0: the DistributedSampler's epoch differs"
+        " between ranks (rank 0: 0, rank 1: 1): call sampler.set_epoch(epoch) with the same"
+        " epoch on every rank",
+    )
+    assert found["same collectives"] == (
+        "FAIL",
+        "collective 1: rank 0 all_reduce(float32[4], op=SUM) at a.py:7 after 0 training"
+        " forwards; rank 1 all_reduce(float32[5], op=SUM) at a.py:7 after 0 training forwards",
+    )

@@ -6,13 +6,33 @@ rank 0 also trains the original, without DDP, on all B rows. Run alone
 (python: a world of one) the two must match bit for bit; on N ranks they
 match to rounding after one step, then drift apart slowly.
 
+Randomness. --shuffle: batches from a shuffled data set, through a
+DistributedSampler per rank, and the original shuffles with shuffle=True: a
+world of one no longer matches. --noise: forward adds noise from torch.randn:
+N ranks no longer match. With --fix the original takes the rows the ranks'
+samplers hand out, and the noise is drawn per sample, from a generator keyed
+by the sample's index.
+
+A chaotic training (--lr 1 --steps 40) amplifies rounding; the float64 run
+tells that from a bug (--bug batch-per-rank: every rank loads B rows).
+
     python equivalence.py
     torchrun --standalone --nproc_per_node=2 equivalence.py
+    python equivalence.py --shuffle
+    torchrun --standalone --nproc_per_node=2 equivalence.py --noise
+    python equivalence.py --shuffle --noise --fix
+    torchrun --standalone --nproc_per_node=2 equivalence.py \\
+        --shuffle --noise --fix
+    torchrun --standalone --nproc_per_node=2 equivalence.py --lr 1 --steps 40
+    torchrun --standalone --nproc_per_node=2 equivalence.py \\
+        --lr 1 --steps 40 --bug batch-per-rank
 """
 
 import argparse
+import itertools
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,8 +43,11 @@ import torch.distributed.nn
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-CHECKPOINTS = (1, 10, 100)
+# The standard deviation of --noise, added to the first layer's output.
+NOISE = 0.5
+LR = 0.1
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,9 +55,30 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--batch-size", type=int, default=32, help="B: the global batch"
     )
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument(
+        "--steps", type=int, default=100, help="compared after 1, 10, steps"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    parser.add_argument(
+        "--shuffle", action="store_true", help="a shuffled data set"
+    )
+    parser.add_argument(
+        "--noise", action="store_true", help="random noise in forward"
+    )
+    parser.add_argument(
+        "--fix", action="store_true", help="the same rows and draws in both"
+    )
+    parser.add_argument(
+        "--bug", choices=["batch-per-rank"], help="a bug planted in the port"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60, help="seconds a collective waits"
+    )
+    args = parser.parse_args()
+    if min(args.steps, args.batch_size, args.timeout) <= 0:
+        parser.error("--steps, --batch-size and --timeout must be > 0")
+    return args
 
 
 def log(message: str) -> None:
@@ -43,39 +87,152 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def build(dtype: torch.dtype, seed: int) -> nn.Module:
+def per_sample_noise(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A draw per sample, from a generator seeded with the sample's id: the
+    same draw whichever rank, batch or position the sample is in."""
+    rows = [
+        torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(i))
+        for i in ids.tolist()
+    ]
+    return torch.stack(rows).to(like.dtype)
+
+
+class Net(nn.Module):
+    """The MLP; noise: none, or drawn inside forward, as a GAN's generator or
+    a VAE's reparameterisation draws it."""
+
+    def __init__(self, noise: str):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+            nn.Linear(64, 4),
+        )  # fmt: skip
+        self.noise = noise
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](x)
+        if self.noise == "global":
+            # The single-device way: torch's generator, seeded alike on every
+            # rank: the ranks draw the same noise for different samples.
+            h = h + NOISE * torch.randn_like(h)
+        elif self.noise == "per_sample":
+            # --fix: the noise belongs to the sample, not to the rank
+            h = h + NOISE * per_sample_noise(ids, h)
+        return self.layers[1:](h)
+
+
+def noise_kind(args) -> str:
+    if not args.noise:
+        return ""
+    # --fix: the noise drawn per sample (Net.forward)
+    return "per_sample" if args.fix else "global"
+
+
+def build(dtype: torch.dtype, args) -> nn.Module:
     # Step 1 of the recipe: the same seed gives both the same initial weights.
-    # No dropout: its masks would be drawn differently in the two set-ups.
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-        nn.Linear(64, 4),
-    )  # fmt: skip
-    return model.to(dtype)
+    torch.manual_seed(args.seed)
+    return Net(noise_kind(args)).to(dtype)
 
 
 def global_batch(step: int, size: int, seed: int, dtype: torch.dtype):
     """The step's B samples, the same on every rank: the same data order."""
     g = torch.Generator().manual_seed(seed * 100_003 + step)
-    x = torch.randn(size, 16, generator=g, dtype=dtype)
+    # Drawn in float32 for both dtypes: float64 trains on the same samples.
+    x = torch.randn(size, 16, generator=g).to(dtype)
     return x, (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
 
 
-def train(model: nn.Module, args, dtype, rows: slice) -> dict[int, list]:
-    """Trains on `rows` of each global batch; the weights at each checkpoint."""
+def sample_ids(args, epoch: int, index: torch.Tensor) -> torch.Tensor:
+    """Each draw's own number: the seed, the pass over the data, the sample."""
+    return (args.seed * 1_000_003 + epoch) * 1_000_003 + index
+
+
+def data_set(args, dtype: torch.dtype) -> TensorDataset:
+    # 8 global batches of samples, with their indices (for the noise's ids)
+    x, y = global_batch(0, 8 * args.batch_size, args.seed, dtype)
+    return TensorDataset(x, y, torch.arange(len(x)))
+
+
+def stream_batches(args, dtype, rank: int, world_size: int, per_rank: int):
+    """(x, y, ids) of each step: `rank`'s rows of each global batch."""
+    for step in itertools.count(1):
+        x, y = global_batch(step, per_rank * world_size, args.seed, dtype)
+        # A stream: each step's samples are new, so the step is their pass.
+        ids = sample_ids(args, step, torch.arange(len(x)))
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        yield x[rows], y[rows], ids[rows]
+
+
+def rank_batches(args, dtype, rank: int, world_size: int, per_rank: int):
+    """(x, y, ids) of each step: the rows the DDP run gives to `rank`."""
+    if not args.shuffle:
+        yield from stream_batches(args, dtype, rank, world_size, per_rank)
+        return
+    data = data_set(args, dtype)
+    sampler = DistributedSampler(
+        data, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
+    )
+    loader = DataLoader(data, batch_size=per_rank, sampler=sampler)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        for x, y, index in loader:
+            yield x, y, sample_ids(args, epoch, index)
+
+
+def original_batches(args, dtype, world_size: int):
+    """(x, y, ids) of each step: the B rows the original trains on."""
+    if not args.shuffle:
+        yield from stream_batches(args, dtype, 0, 1, args.batch_size)
+    elif args.fix:
+        # --fix: at each step, the rows every rank's DistributedSampler hands
+        # out at that step, together: the DDP run's global batch
+        share = args.batch_size // world_size
+        ranks = range(world_size)
+        parts = [rank_batches(args, dtype, r, world_size, share) for r in ranks]
+        for batches in zip(*parts, strict=True):
+            x, y, ids = zip(*batches, strict=True)
+            yield torch.cat(x), torch.cat(y), torch.cat(ids)
+    else:
+        # the original's own loader, shuffle=True from its seed
+        data = data_set(args, dtype)
+        g = torch.Generator().manual_seed(args.seed)
+        loader = DataLoader(
+            data, batch_size=args.batch_size, shuffle=True, generator=g
+        )
+        for epoch in itertools.count():
+            for x, y, index in loader:
+                yield x, y, sample_ids(args, epoch, index)
+
+
+def train(model: nn.Module, args, batches, checkpoints) -> dict[int, list]:
+    """Trains on `batches`, one a step; the weights at each checkpoint."""
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     weights = {}
-    for step in range(1, max(CHECKPOINTS) + 1):
-        x, y = global_batch(step, args.batch_size, args.seed, dtype)
+    steps = itertools.islice(batches, args.steps)
+    for step, (x, y, ids) in enumerate(steps, start=1):
         # The mean loss over these rows; DDP then averages the gradients over
         # the ranks: the mean over all B rows, as in the original.
-        loss = F.cross_entropy(model(x[rows]), y[rows])
+        loss = F.cross_entropy(model(x, ids), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step in CHECKPOINTS:
+        if step in checkpoints:
             weights[step] = [p.detach().clone() for p in model.parameters()]
     return weights
+
+
+def described(args) -> str:
+    """The options that differ from the recipe's plain run, as key=value."""
+    found = []
+    if args.shuffle:
+        found.append(f"original_order={'samplers' if args.fix else 'shuffle'}")
+    if args.noise:
+        found.append(f"noise={noise_kind(args)}")
+    if args.lr != LR:
+        found.append(f"lr={args.lr:g}")
+    if args.bug:
+        found.append(f"bug={args.bug}")
+    return "".join(" " + item for item in found)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -86,25 +243,31 @@ def main(args: argparse.Namespace) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         # Layers this small run fastest on one thread (torchrun sets it too).
         torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world_size:
         sys.exit(f"error: --batch-size must split into {world_size} ranks")
     share = args.batch_size // world_size
-    mine = slice(rank * share, (rank + 1) * share)
+    if args.bug == "batch-per-rank":
+        # The bug: each rank's loader kept the original's batch size, so the
+        # global batch is N x B, and the original's B rows are rank 0's.
+        share = args.batch_size
+    checkpoints = sorted({1, min(10, args.steps), args.steps})
     for dtype in (torch.float32, torch.float64):
-        ddp = train(DDP(build(dtype, args.seed)), args, dtype, mine)
+        mine = rank_batches(args, dtype, rank, world_size, share)
+        ddp = train(DDP(build(dtype, args)), args, mine, checkpoints)
         if rank != 0:
             continue
         # Rank 0 also runs the original: one process, all B rows, no DDP.
-        original = train(build(dtype, args.seed), args, dtype, slice(None))
-        for step in CHECKPOINTS:
+        batches = original_batches(args, dtype, world_size)
+        original = train(build(dtype, args), args, batches, checkpoints)
+        for step in checkpoints:
             pairs = zip(ddp[step], original[step], strict=True)
             diff = max((p - q).abs().max().item() for p, q in pairs)
             log(
                 f"equivalence ranks={world_size} batch={args.batch_size}"
-                f" per_rank={share} dtype={str(dtype)[6:]} step={step}"
-                f" max_abs_diff={diff:.3g}"
+                f" per_rank={share}{described(args)} dtype={str(dtype)[6:]}"
+                f" step={step} max_abs_diff={diff:.3g}"
             )
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """Your own script: what the wrapper and the extra ranks change. See README.md.
 
-Six things a single-device script does that change meaning under DDP, each
+Seven things a single-device script does that change meaning under DDP, each
 tried on every rank; rank 0 prints one `effect=...` line per thing. Without
 --fix each is done the single-device way (an error or a wrong number); with
 --fix the DDP way.
@@ -161,6 +161,25 @@ def device_choice(fix: bool, no_accel: bool) -> str:
     return f"device={device} backend={backend} ok"
 
 
+def full_batch(fix: bool, rank: int, world_size: int) -> str:
+    # 12 samples in batches of 4: three full batches on one device. On 2
+    # ranks each shard holds 6 of them: a batch of 4, then one of 2.
+    batch_size = 4
+    data = TensorDataset(torch.arange(12 * 9.0).view(12, 3, 3))
+    sampler = DistributedSampler(data, world_size, rank, shuffle=False)
+    rows = []
+    for (x,) in DataLoader(data, batch_size=batch_size, sampler=sampler):
+        # --fix: the rows this batch has, not the configured batch size (a
+        # single-device script's x.view(args.batch_size, -1))
+        first = x.size(0) if fix else batch_size
+        try:
+            flat = x.view(first, -1)
+        except RuntimeError as error:
+            return "error=" + first_line(error)
+        rows.append(flat.size(0))
+    return f"ok rows={rows}"
+
+
 def len_dataset(fix: bool) -> list[str]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = TensorDataset(torch.arange(10))
@@ -216,6 +235,8 @@ def main(args: argparse.Namespace) -> None:
     lines.append(f"buffers_remade {buffers_remade(args.fix)}")
     lines.append(f"dropout {dropout(model)}")
     lines.append(f"device {device_choice(args.fix, args.no_accel)}")
+    full = full_batch(args.fix, rank, dist.get_world_size())
+    lines.append(f"full_batch {full}")
     lines += [f"len_dataset {line}" for line in len_dataset(args.fix)]
     if rank == 0:
         shutil.rmtree(folder)

@@ -2,39 +2,66 @@
 
 Put this command in front of the launch. It runs the launch with the recorder (sitecustomize.py,
 beside this file) loaded into every process, then prints what the records prove: the replicas
-ended equal, every rank trained the same number of steps on inputs no other rank saw, and the
-ranks entered the same collectives in the same order; and what it could not check.
+ended equal (parameters and buffers), every rank trained the same number of steps on inputs no
+other rank saw, and the ranks entered the same collectives in the same order; and what it could
+not check.
 
     python part4_torchrun/your_script/checker/ddp_check.py \
         torchrun --standalone --nproc_per_node=2 my_script.py --epochs 1
 
-Or record with environment variables alone (an empty folder), and report later:
+Options, before the command:
+
+    --deadline S  a rank waits at most S seconds in one collective: the recorder gives
+                  init_process_group timeout=S when the script gives none (the script's own
+                  stays); and the launch is ended once no process recorded anything for 2 x S
+                  seconds (a hang outside any collective). Then the report says where each
+                  rank waited.
+    --draws       say whether the random draws inside each training forward (dropout, noise, a
+                  VAE's sampling) came from a random state of each rank's own
+    --keep DIR    record into DIR (kept), not a temporary folder
+
+Ctrl-C or SIGTERM to this command ends the launch: SIGTERM to the launch's process group, and
+after 5 seconds SIGKILL to every process of it left (torchrun starts each rank in a session of
+its own); then the report, with where each rank was.
+
+Or record with environment variables alone (an empty folder), and report later
+(DDP_CHECK_DEADLINE=S and DDP_CHECK_DRAWS=1 do what the options do in the recorder; the end after
+2 x S seconds without a record needs this command):
 
     PYTHONPATH=part4_torchrun/your_script/checker DDP_CHECK_DIR=runs/check \
         torchrun --standalone --nproc_per_node=2 my_script.py --epochs 1
     python part4_torchrun/your_script/checker/ddp_check.py --report runs/check
 
-Exit status: the launch's own when it failed; else 1 when a check failed or none could be made;
-else 0.
+Exit status: 128 + the signal's number when a signal ended the launch (130 for Ctrl-C, 143 for
+SIGTERM); 124 when --deadline ended it; else the launch's own when it failed; else 1 when a check
+failed or none could be made; else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# Seconds the launch has to end on a signal before SIGKILL.
+GRACE = 5.0
+# The exit status when --deadline ended the launch (as coreutils' timeout).
+DEADLINE_STATUS = 124
 
 NOT_CHECKED = [
     "what the script computes with its collectives: whether a metric or a decision is global"
-    " (the collectives are listed, not understood)",
+    " (the collectives are listed, not understood); arguments are compared for all_reduce,"
+    " reduce, broadcast and broadcast_object_list only",
     "DDP's own gradient all-reduce: it runs in C++ hooks, outside torch.distributed's functions",
     "inputs made inside forward; samples that random augmentation made look new (the loaders'"
     " indices cover map-style DataLoaders); without a DataLoader, repeats in different steps",
@@ -69,12 +96,27 @@ class RecordsError(Exception):
     pass
 
 
+# Without --draws, or with it (init records it): what the report leaves out about random draws.
+NOT_DRAWN = (
+    "random draws inside forward (dropout, noise): --draws says whether each rank drew its own"
+)
+DRAWN = "random draws outside forward (augmentation, noise made before forward) and what they made"
+
+
 def read(directory: Path) -> tuple[list[Rank], int | None]:
     """The processes that joined a process group, by rank, and the world size."""
     ranks: dict[int, Rank] = {}
     world_size = None
     for path in sorted(directory.glob("*.jsonl")):
-        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        events = []
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        for number, line in enumerate(lines):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines) - 1:
+                    raise
+                # the last line of a process killed as it wrote it
         inits = [e for e in events if e["event"] == "init"]
         if not inits:
             continue  # the launcher, a loader worker: no process group
@@ -95,18 +137,54 @@ def training_forwards(rank: Rank, model: int | None = None) -> list[dict]:
     ]
 
 
-def check_replicas(ranks: list[Rank]) -> list[Check]:
+def compare(ranks: list[Rank], ends: dict[int, dict], key: str, saved: str):
+    """The names of the tensors (`key`: params or buffers) of one model's end records, those
+    that differ between ranks, and the largest difference among them (None when not saved)."""
+    names = [n for n, _ in ends[ranks[0].rank][key]]
+    digests = {rank: dict(map(tuple, e[key])) for rank, e in ends.items()}
+    differing = [n for n in names if len({d.get(n) for d in digests.values()}) > 1]
+    if not differing or not all(e.get(saved) for e in ends.values()):
+        return names, differing, None
+    # torch only here: reading the saved tensors (importing it takes seconds)
+    import torch
+
+    tensors = {rank: torch.load(e[saved], weights_only=True) for rank, e in ends.items()}
+    reference = tensors[ranks[0].rank]
+    drifts = [
+        (held[n].double() - reference[n].double()).abs().max().item()
+        for held in tensors.values()
+        for n in differing
+        if n in held and n in reference and held[n].shape == reference[n].shape
+    ]
+    return names, differing, max(drifts, default=None)
+
+
+def ends_of(ranks: list[Rank]) -> tuple[dict[int, str], dict[int, dict[int, dict]]]:
+    """model -> the wrapped module's class; model -> rank -> its end record."""
     ends: dict[int, dict[int, dict]] = defaultdict(dict)
     for r in ranks:
         for e in r.of("end"):
             ends[e["model"]][r.rank] = e
     wrapped = {e["model"]: e["module"] for r in ranks for e in r.of("wrap")}
+    return wrapped, ends
+
+
+def check_replicas(ranks: list[Rank]) -> list[Check]:
+    wrapped, ends = ends_of(ranks)
     if not wrapped:
         return [Check("--", "replicas equal", "no module was wrapped in DistributedDataParallel")]
     checks = []
     for model, module in sorted(wrapped.items()):
         name = f"replicas equal (model {model}, {module})"
         missing = [r.rank for r in ranks if r.rank not in ends[model]]
+        dropped = [r.rank for r in ranks for e in r.of("dropped") if e["model"] == model]
+        if dropped:
+            detail = (
+                f"rank(s) {dropped} let the wrapped module go before destroy_process_group() or"
+                " exit, so nothing was left to record: keep a reference to it until then"
+            )
+            checks.append(Check("--", name, detail, model))
+            continue
         if missing:
             checks.append(
                 Check(
@@ -118,28 +196,44 @@ def check_replicas(ranks: list[Rank]) -> list[Check]:
                 )
             )
             continue
-        digests = {rank: dict(map(tuple, e["params"])) for rank, e in ends[model].items()}
-        names = [n for n, _ in ends[model][ranks[0].rank]["params"]]
-        differing = [n for n in names if len({d.get(n) for d in digests.values()}) > 1]
+        names, differing, drift = compare(ranks, ends[model], "params", "saved")
         if not differing:
             detail = (
                 f"{len(names)} parameter tensors bit-equal on all {len(ranks)} ranks at the end"
             )
             checks.append(Check("ok", name, detail, model))
             continue
-        # torch only here: reading the saved parameters (importing it takes seconds)
-        import torch
-
-        saved = {rank: torch.load(e["saved"], weights_only=True) for rank, e in ends[model].items()}
-        reference = saved[ranks[0].rank]
-        drift = max(
-            (tensors[n].double() - reference[n].double()).abs().max().item()
-            for tensors in saved.values()
-            for n in differing
-        )
+        measured = f"; max |difference| between ranks {drift:.4g}" if drift is not None else ""
         detail = (
             f"{len(differing)} of {len(names)} parameter tensors differ at the end, first"
-            f" {differing[0]!r}; max |difference| between ranks {drift:.4g}"
+            f" {differing[0]!r}{measured}"
+        )
+        checks.append(Check("FAIL", name, detail, model))
+    return checks
+
+
+def check_buffers(ranks: list[Rank]) -> list[Check]:
+    """Each wrapped module's buffers (BatchNorm's running statistics, its integer
+    num_batches_tracked too) bit-equal on every rank at the end. A module without buffers gets
+    no check; one without end records on every rank neither ("replicas equal" says why)."""
+    wrapped, ends = ends_of(ranks)
+    checks = []
+    for model, module in sorted(wrapped.items()):
+        if any(r.rank not in ends[model] for r in ranks):
+            continue
+        name = f"buffers equal (model {model}, {module})"
+        names, differing, drift = compare(ranks, ends[model], "buffers", "saved_buffers")
+        if not names:
+            continue
+        if not differing:
+            detail = f"{len(names)} buffer tensors bit-equal on all {len(ranks)} ranks at the end"
+            checks.append(Check("ok", name, detail, model))
+            continue
+        measured = f"; max |difference| between ranks {drift:.4g}" if drift is not None else ""
+        detail = (
+            f"{len(differing)} of {len(names)} buffer tensors differ at the end, first"
+            f" {differing[0]!r}{measured}: make them agree before saving or evaluating:"
+            " broadcast rank 0's, or average them"
         )
         checks.append(Check("FAIL", name, detail, model))
     return checks
@@ -165,29 +259,66 @@ def check_inputs(ranks: list[Rank], world_size: int) -> Check:
     that handed out the last batch before it, or, without a loader, the same step. (Across
     epochs a sample may move to another rank: DistributedSampler reshuffles with set_epoch.)
     A DistributedSampler pads each pass with up to world_size - 1 samples again, each on another
-    rank than its first copy: that many shared rows are allowed in a pass it drew."""
+    rank than its first copy: that many shared rows are allowed in a pass it drew.
+    A row on two ranks that the loader handed each of them under other data-set indices (the
+    loader's records pair each batch's indices with its rows) is a duplicate in the data set,
+    not a shared sample: counted, not failed."""
     samplers = {e["loader"]: e["sampler"] for r in ranks for e in r.of("batch")}
-    owners: dict[tuple, dict[str, tuple[int, int]]] = defaultdict(dict)
-    shared: dict[tuple, set[str]] = defaultdict(set)
+    # (loader, pass) -> row -> rank -> the data-set indices it came under on that rank
+    handed: dict[tuple, dict[str, dict[int, set[int]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(set))
+    )
+    for r in ranks:
+        for e in r.of("batch"):
+            rows = e.get("rows") or []
+            if len(rows) == len(e["samples"]):
+                for row, sample in zip(rows, e["samples"], strict=True):
+                    handed[e["loader"], e["pass"]][row][r.rank].add(sample)
+    holders: dict[tuple, dict[str, dict[int, int]]] = defaultdict(dict)
     distinct: set[str] = set()
-    total, examples = 0, {}
+    total = 0
     for r in ranks:
         for index, e in enumerate(training_forwards(r)):
             epoch = ("pass", *e["pass"]) if e.get("pass") else ("step", index)
             for row in e["rows"]:
                 total += 1
                 distinct.add(row)
-                first = owners[epoch].setdefault(row, (r.rank, index))
-                if first[0] != r.rank:
-                    shared[epoch].add(row)
-                    examples.setdefault(epoch, (first, r.rank))
+                # rank -> its first training forward with this row, in this epoch
+                holders[epoch].setdefault(row, {}).setdefault(r.rank, index)
     if not total:
         return Check("--", "inputs disjoint", "no training forward with a tensor input")
+
+    def duplicate(epoch: tuple, row: str) -> bool:
+        """Every rank holding the row had it from the loader, under indices no other had."""
+        if epoch[0] != "pass":
+            return False
+        indices = handed.get((epoch[1], epoch[2]), {}).get(row, {})
+        held = holders[epoch][row]
+        if not all(rank in indices for rank in held):
+            return False
+        seen = [i for rank in held for i in indices[rank]]
+        return len(seen) == len(set(seen))
+
+    shared: dict[tuple, list[str]] = defaultdict(list)
+    duplicates: set[str] = set()
+    for epoch, rows in holders.items():
+        for row, held in rows.items():
+            if len(held) > 1:
+                if duplicate(epoch, row):
+                    duplicates.add(row)
+                else:
+                    shared[epoch].append(row)
 
     def padding(epoch: tuple) -> int:
         padded = epoch[0] == "pass" and samplers.get(epoch[1]) == "DistributedSampler"
         return world_size - 1 if padded else 0
 
+    same = (
+        f"; {len(duplicates)} rows came to more than one rank under different data-set"
+        " indices: possible duplicates in the data set, not shared samples"
+        if duplicates
+        else ""
+    )
     over = [epoch for epoch, rows in shared.items() if len(rows) > padding(epoch)]
     if not over:
         padded = max(map(len, shared.values()), default=0)
@@ -196,15 +327,16 @@ def check_inputs(ranks: list[Rank], world_size: int) -> Check:
             "ok",
             "inputs disjoint",
             f"{len(distinct)} distinct rows (dim 0 of forward's first input) in {total}; none"
-            f" went to two ranks in one epoch (a loader's pass, else a step){note}",
+            f" went to two ranks in one epoch (a loader's pass, else a step){note}{same}",
         )
     rows = set().union(*(shared[epoch] for epoch in over))
-    (rank, index), other = examples[over[0]]
+    held = holders[over[0]][shared[over[0]][0]]
+    (rank, index), (other, _) = sorted(held.items())[:2]
     return Check(
         "FAIL",
         "inputs disjoint",
         f"{len(rows)} of {len(distinct)} distinct rows went to more than one rank in one"
-        f" epoch (first: rank {rank}'s training forward {index + 1}, also on rank {other})",
+        f" epoch (first: rank {rank}'s training forward {index + 1}, also on rank {other}){same}",
     )
 
 
@@ -218,6 +350,8 @@ class Loader:
     sampler: str
     # pass -> rank -> the data-set indices that rank drew in that pass
     passes: dict[int, dict[int, list[int]]]
+    # pass -> rank -> its DistributedSampler's seed, shuffle, num_replicas, rank, epoch
+    samplers: dict[int, dict[int, dict]] = field(default_factory=dict)
 
     def shared(self, number: int) -> int:
         """How many samples more than one rank drew in pass `number`."""
@@ -232,6 +366,54 @@ class Loader:
         shared = {number: self.shared(number) for number in sorted(self.passes)}
         return {number: n for number, n in shared.items() if n > allowed}
 
+    def hint(self, number: int, world_size: int) -> str:
+        """What to do about samples shared in pass `number`: from the DistributedSampler's
+        arguments on each rank when it has one."""
+        per_rank = self.samplers.get(number)
+        if not per_rank:
+            return "give the loader a DistributedSampler, or each rank a Subset of its own"
+
+        def listed(name: str) -> str:
+            return ", ".join(f"rank {rank}: {a[name]}" for rank, a in sorted(per_rank.items()))
+
+        def differ(name: str) -> bool:
+            return len({repr(a[name]) for a in per_rank.values()}) > 1
+
+        if differ("seed"):
+            return (
+                f"the DistributedSampler's seed differs between ranks ({listed('seed')}):"
+                " agree the seed (broadcast rank 0's)"
+            )
+        wrong = {
+            rank: a
+            for rank, a in sorted(per_rank.items())
+            if a["num_replicas"] != world_size or a["rank"] != rank
+        }
+        if wrong:
+            given = ", ".join(
+                f"rank {rank}: num_replicas={a['num_replicas']} rank={a['rank']}"
+                for rank, a in wrong.items()
+            )
+            return (
+                f"the DistributedSampler's num_replicas or rank is not the process group's"
+                f" ({given}; world size {world_size}): leave them out, DistributedSampler(data)"
+                " takes them from the process group"
+            )
+        if differ("shuffle"):
+            return (
+                f"the DistributedSampler's shuffle differs between ranks ({listed('shuffle')}):"
+                " give every rank the same"
+            )
+        if differ("epoch"):
+            return (
+                f"the DistributedSampler's epoch differs between ranks ({listed('epoch')}):"
+                " call sampler.set_epoch(epoch) with the same epoch on every rank"
+            )
+        return (
+            "every rank's DistributedSampler had the same seed, shuffle and epoch and its own"
+            " rank: the indices come from elsewhere (a subclass, a Subset made per rank)"
+        )
+
 
 def loaders(ranks: list[Rank]) -> list[Loader]:
     """Every loader that handed out a batch, by number."""
@@ -242,6 +424,10 @@ def loaders(ranks: list[Rank]) -> list[Loader]:
                 e["loader"], Loader(e["loader"], e["dataset"], e["sampler"], defaultdict(dict))
             )
             loader.passes[e["pass"]].setdefault(r.rank, []).extend(e["samples"])
+    for r in ranks:
+        for e in r.of("pass"):
+            if e["loader"] in found:
+                found[e["loader"]].samplers.setdefault(e["pass"], {})[r.rank] = e["sampler"]
     return [found[number] for number in sorted(found)]
 
 
@@ -260,8 +446,8 @@ def check_loaders(ranks: list[Rank], world_size: int) -> list[Check]:
         if overlaps:
             worst = max(overlaps, key=overlaps.get)
             detail = (
-                f"{overlaps[worst]} samples drawn by more than one rank in pass {worst}: give the"
-                " loader a DistributedSampler, or each rank a Subset of its own"
+                f"{overlaps[worst]} samples drawn by more than one rank in pass {worst}:"
+                f" {loader.hint(worst, world_size)}"
             )
             checks.append(Check("FAIL", name, detail, loader.number))
             continue
@@ -276,18 +462,70 @@ def check_loaders(ranks: list[Rank], world_size: int) -> list[Check]:
     return checks
 
 
+def check_draws(ranks: list[Rank]) -> list[Check]:
+    """With --draws: at the same training forward, each rank's random state before it; the
+    forward drew when the state after it differs. Ranks that drew from equal states drew the
+    same dropout masks, the same noise: one seed for all, without + rank."""
+    if not any(e.get("draws") for r in ranks for e in r.of("init")):
+        return []
+    wrapped, _ = ends_of(ranks)
+    checks = []
+    for model, module in sorted(wrapped.items()):
+        name = f"draws in forward (model {model}, {module})"
+        per_rank = {r.rank: [e for e in r.of("draws") if e["model"] == model] for r in ranks}
+        steps = min(map(len, per_rank.values()))
+        if not steps:
+            detail = "no training forward recorded on every rank"
+            checks.append(Check("--", name, detail, model))
+            continue
+        drew = [
+            k
+            for k in range(steps)
+            if any(draws[k]["before"] != draws[k]["after"] for draws in per_rank.values())
+        ]
+        if not drew:
+            detail = f"none of {steps} training forwards drew from torch's random generators"
+            checks.append(Check("ok", name, detail, model))
+            continue
+        same = [k for k in drew if len({d[k]["before"] for d in per_rank.values()}) < len(ranks)]
+        if not same:
+            detail = (
+                f"independent: each rank drew from a random state of its own at all {len(drew)}"
+                " training forwards that drew"
+            )
+            checks.append(Check("ok", name, detail, model))
+            continue
+        states = Counter(d[same[0]]["before"] for d in per_rank.values())
+        alike = sorted(r for r, d in per_rank.items() if states[d[same[0]]["before"]] > 1)
+        who = "every rank" if len(alike) == len(ranks) else f"ranks {alike}"
+        detail = (
+            f"the same random state on {who} at {len(same)} of {len(drew)} training forwards"
+            f" that drew (first: forward {same[0] + 1}): a seed shared without + rank; seed"
+            " each rank with seed + rank after building the model"
+        )
+        checks.append(Check("FAIL", name, detail, model))
+    return checks
+
+
 def where(event: dict | None) -> str:
     if event is None:
         return "none"
     if event["event"] == "forward":
-        return f"in training forward {event['count']} (or in its backward's gradient all-reduce)"
+        return (
+            f"in or after training forward {event['count']} (its backward's gradient"
+            " all-reduce included)"
+        )
     place = f"{Path(event['file']).name}:{event['line']}"
-    return f"{event['name']} at {place} after {event['forwards']} training forwards"
+    args = f"({event['args']})" if event.get("args") else ""
+    return f"{event['name']}{args} at {place} after {event['forwards']} training forwards"
 
 
 def check_collectives(ranks: list[Rank]) -> Check:
+    """The ranks called the same collectives (and, where recorded, with the arguments every
+    rank must pass alike) in the same order. The lines they called them from may differ: a
+    rank-0-first pattern calls one barrier from two places; listed, not failed."""
     calls = {r.rank: r.of("collective") for r in ranks}
-    keys = {rank: [(e["name"], e["file"], e["line"]) for e in es] for rank, es in calls.items()}
+    keys = {rank: [(e["name"], e.get("args")) for e in es] for rank, es in calls.items()}
     longest = max(len(k) for k in keys.values())
     for i in range(longest):
         entered = {rank: k[i] if i < len(k) else None for rank, k in keys.items()}
@@ -297,14 +535,33 @@ def check_collectives(ranks: list[Rank]) -> Check:
                 for rank in entered
             )
             return Check("FAIL", "same collectives", f"collective {i + 1}: {described}")
-    places = Counter(f"{name} at {Path(file).name}:{line}" for name, file, line in keys[0])
+    places = Counter(
+        f"{e['name']} at {Path(e['file']).name}:{e['line']}" for e in calls[ranks[0].rank]
+    )
     listed = ", ".join(f"{place} x{n}" for place, n in places.most_common(4))
     more = ", ..." if len(places) > 4 else ""
-    return Check(
-        "ok",
-        "same collectives",
-        f"{longest} on every rank, in the same order" + (f" ({listed}{more})" if listed else ""),
+    detail = f"{longest} on every rank, in the same order" + (
+        f" ({listed}{more})" if listed else ""
     )
+    moved = [
+        i
+        for i in range(longest)
+        if len({(es[i]["file"], es[i]["line"]) for es in calls.values()}) > 1
+    ]
+    if moved:
+        first = moved[0]
+        at: dict[str, list[int]] = defaultdict(list)
+        for rank, es in calls.items():
+            at[f"{Path(es[first]['file']).name}:{es[first]['line']}"].append(rank)
+        sites = ", ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]} at {place}"
+            for place, rs in at.items()
+        )
+        detail += (
+            f"; the same sequence from different lines at {len(moved)} of them (first:"
+            f" collective {first + 1}, {calls[ranks[0].rank][first]['name']}: {sites})"
+        )
+    return Check("ok", "same collectives", detail)
 
 
 def last_events(ranks: list[Rank]) -> list[str]:
@@ -323,11 +580,32 @@ def last_events(ranks: list[Rank]) -> list[str]:
     return lines
 
 
-def report(directory: Path, returncode: int = 0) -> tuple[list[str], list[Check]]:
-    """The report's lines and its checks, from the records in `directory`."""
+def deadline_line(ranks: list[Rank]) -> str | None:
+    """What --deadline set, from the init records: None without it."""
+    inits = [r.of("init")[0] for r in ranks]
+    deadline = next((e["deadline"] for e in inits if e.get("deadline")), None)
+    if deadline is None:
+        return None
+    given = [e for e in inits if e.get("timeout_by") == "deadline"]
+    own = [e["timeout"] for e in inits if e.get("timeout_by") == "script"]
+    values = ", ".join(f"{t:g}" for t in sorted(set(own)))
+    kept = f", the script's own kept on {len(own)} ({values} s)" if own else ""
+    return (
+        f"deadline {deadline:g} s: init_process_group timeout {deadline:g} s on {len(given)} of"
+        f" {len(inits)} ranks{kept}; the launch ends after {2 * deadline:g} s without a record"
+    )
+
+
+def report(
+    directory: Path, returncode: int = 0, ended: str | None = None
+) -> tuple[list[str], list[Check]]:
+    """The report's lines and its checks, from the records in `directory`; `ended`: why this
+    command ended the launch itself (a signal, --deadline), None when it ended on its own."""
     ranks, world_size = read(directory)
     if not ranks:
         lines = ["no process joined a process group: nothing to check (is this a DDP run?)"]
+        if ended:
+            lines.append(f"ended the launch: {ended}")
         return lines, [Check("--", "process group", "none")]
     modules = sorted({f"{e['module']}" for r in ranks for e in r.of("wrap")})
     backend = ranks[0].of("init")[0]["backend"]
@@ -337,44 +615,165 @@ def report(directory: Path, returncode: int = 0) -> tuple[list[str], list[Check]
     ]
     if len(ranks) < world_size:
         lines.append("(some ranks left no records: they never reached init_process_group)")
+    deadline = deadline_line(ranks)
+    if deadline:
+        lines.append(deadline)
     checks = [
         *check_replicas(ranks),
+        *check_buffers(ranks),
         check_steps(ranks),
         check_inputs(ranks, world_size),
         *check_loaders(ranks, world_size),
         check_collectives(ranks),
+        *check_draws(ranks),
     ]
     lines += [c.line() for c in checks]
-    if returncode != 0 or not all(r.of("exit") for r in ranks):
+    if ended:
+        lines.append(f"ended the launch: {ended}")
+    if ended or returncode != 0 or not all(r.of("exit") for r in ranks):
         lines.append(f"the run failed (exit status {returncode}); where each rank stopped:")
         lines += ["  " + line for line in last_events(ranks)]
+    drawn = any(e.get("draws") for r in ranks for e in r.of("init"))
     lines.append("not checked:")
-    lines += ["  - " + item for item in NOT_CHECKED]
+    lines += ["  - " + item for item in [*NOT_CHECKED, DRAWN if drawn else NOT_DRAWN]]
     return lines, checks
 
 
-def run(command: list[str], directory: Path) -> int:
+# ---- running the launch --------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            children[int(stat.read_text().rsplit(")", 1)[1].split()[1])].append(
+                int(stat.parent.name)
+            )
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def recording_into(directory: Path) -> list[int]:
+    """Processes whose environment names this run's records folder: the launch's, orphans and
+    loader workers included, whoever their parent is now."""
+    entry = f"DDP_CHECK_DIR={directory}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError, ValueError):
+            if (
+                entry in environ.read_bytes().split(b"\0")
+                and int(environ.parent.name) != os.getpid()
+            ):
+                found.append(int(environ.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def stop(process: subprocess.Popen, directory: Path, received: list[int]) -> None:
+    """End the launch: SIGTERM to its process group (what every launcher takes as "end the job":
+    torchrun passes it on to its ranks, srun to its tasks; a Ctrl-C would only make srun report),
+    then, after GRACE seconds (or at one more signal), SIGKILL to every process of it left: the
+    group, the processes below it (torchrun starts each rank in a session of its own: found
+    before the launcher exits and orphans them) and those whose environment names the records
+    folder."""
+    victims = set(descendants(process.pid))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    waited, signals = time.monotonic() + GRACE, len(received)
+    while process.poll() is None and time.monotonic() < waited and len(received) == signals:
+        time.sleep(0.1)
+    victims |= set(descendants(process.pid)) | set(recording_into(directory))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    # a killed process may still be running for a moment: its records are whole once it is gone
+    waited = time.monotonic() + GRACE
+    while any(map(alive, victims)) and time.monotonic() < waited:
+        time.sleep(0.1)
+
+
+def newest_record(directory: Path) -> float | None:
+    """When a process last appended a record (None before the first)."""
+    times = [e.stat().st_mtime for e in os.scandir(directory) if e.name.endswith(".jsonl")]
+    return max(times, default=None)
+
+
+def run(
+    command: list[str], directory: Path, deadline: float | None = None, draws: bool = False
+) -> tuple[int, str | None, int | None]:
+    """Run the launch with the recorder: its exit status, why this command ended it (None when
+    it ended on its own), and this command's exit status for that (None when it ended alone)."""
     env = dict(os.environ, DDP_CHECK_DIR=str(directory))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    process = subprocess.Popen(command, env=env)
+    if deadline:
+        env["DDP_CHECK_DEADLINE"] = f"{deadline:g}"
+    if draws:
+        env["DDP_CHECK_DRAWS"] = "1"
+    received: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in signals}
     try:
-        return process.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C reached the launch as well; torchrun stops its workers. Then report.
-        return process.wait()
+        # A session of its own: a Ctrl-C reaches this process alone, which ends the launch's
+        # processes together, then reports.
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        while process.poll() is None:
+            if received:
+                name = signal.Signals(received[0]).name
+                stop(process, directory, received)
+                return process.returncode, f"{name} to ddp_check", 128 + received[0]
+            newest = newest_record(directory) if deadline else None
+            if newest is not None and time.time() - newest > 2 * deadline:
+                stop(process, directory, received)
+                silent = f"no process recorded anything for {2 * deadline:g} s"
+                return process.returncode, f"{silent} (--deadline {deadline:g})", DEADLINE_STATUS
+            time.sleep(0.2)
+        return process.returncode, None, None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        usage="%(prog)s [--keep DIR] COMMAND ... | %(prog)s --report DIR",
+        usage=(
+            "%(prog)s [--keep DIR] [--deadline S] [--draws] COMMAND ... | %(prog)s --report DIR"
+        ),
     )
     parser.add_argument("--report", type=Path, help="report on the records in DIR; run nothing")
     parser.add_argument("--keep", type=Path, help="record into DIR (kept), not a temporary one")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        metavar="S",
+        help="collective timeout S s (when the script gives none); end after 2 x S s unrecorded",
+    )
+    parser.add_argument(
+        "--draws", action="store_true", help="record the random state around training forwards"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the launch, e.g. torchrun ...")
     args = parser.parse_args()
     if bool(args.report) == bool(args.command):
         parser.error("give a command to run, or --report DIR")
+    if args.report and (args.deadline or args.draws or args.keep):
+        parser.error("--deadline, --draws and --keep go with a command, not --report")
+    if args.deadline is not None and args.deadline <= 0:
+        parser.error(f"--deadline {args.deadline:g}: give a number of seconds above 0")
+    ended, status = None, None
     if args.report:
         if not args.report.is_dir():
             parser.error(f"--report {args.report}: no such folder")
@@ -384,13 +783,13 @@ def main() -> int:
             args.keep.mkdir(parents=True, exist_ok=True)
             if any(args.keep.iterdir()):
                 parser.error(f"--keep {args.keep}: the folder must be empty")
-        directory = args.keep or Path(tempfile.mkdtemp(prefix="ddp_check_"))
+        directory = (args.keep or Path(tempfile.mkdtemp(prefix="ddp_check_"))).resolve()
         try:
-            returncode = run(args.command, directory)
+            returncode, ended, status = run(args.command, directory, args.deadline, args.draws)
         except FileNotFoundError as error:
             parser.error(f"cannot run {args.command[0]!r}: {error.strerror}")
     try:
-        lines, checks = report(directory, returncode)
+        lines, checks = report(directory, returncode, ended)
     except RecordsError as error:
         sys.stderr.write(f"ddp_check: error: {error}\n")
         return 2
@@ -401,6 +800,8 @@ def main() -> int:
             directory.rmdir()
     sys.stdout.write("".join(f"ddp_check: {line}\n" for line in lines))
     sys.stdout.flush()
+    if status is not None:
+        return status
     if returncode:
         return returncode
     # 1 when a check failed, or when none could be made
