@@ -389,7 +389,7 @@ class Noisy(torch.nn.Module):
 
 model = DDP(Noisy())
 if fix:
-    torch.manual_seed(rank)
+    torch.manual_seed(0 + rank)  # the seed, 0, plus the rank
 if rank == 0:
     dist.barrier()  # rank 0 first
 else:
@@ -502,8 +502,8 @@ def test_checker_sees_buffers_draws_and_sampler_seeds_and_not_duplicates_or_barr
     assert status == "FAIL", detail
     assert detail == (
         f"2 of 3 buffer tensors differ at the end, first 'norm.running_mean'; max |difference|"
-        f" between ranks {drift:.4g}: make them agree before saving or evaluating: broadcast"
-        " rank 0's, or average them"
+        f" between ranks {drift:.4g}: make them agree before saving or evaluating: average them,"
+        " or broadcast rank 0's"
     )
     assert saved_difference(records[True], "saved_buffers") == ([], 0)
     assert found[True]["buffers equal (model 0, Noisy)"] == (

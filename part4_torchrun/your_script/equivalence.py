@@ -57,7 +57,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument(
-        "--steps", type=int, default=100, help="compared after 1, 10, steps"
+        "--steps",
+        type=int,
+        default=100,
+        help="compared after steps 1, 10 and STEPS",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -104,7 +104,8 @@ def main(args: argparse.Namespace) -> None:
             # and no other rank joins it. In mid-run it meets rank 1's next
             # training forward's broadcast (rank 0's own next forward skips
             # it: this one ran without gradients); after the last step rank 1
-            # waits in the all_gather below instead, and so does this one.
+            # waits in the all_gather below, and this broadcast waits for a
+            # partner that never comes.
             if sampler is model:
                 broadcasts += model.will_sync_module_buffers()
             through = "wrapper" if sampler is model else "module"

@@ -115,7 +115,7 @@ def save_model(model: DDP, fix: bool, folder: str) -> str:
     return "ok loads into a bare Net"
 
 
-def buffers(model: DDP, fix: bool) -> str:
+def buffers(model: DDP) -> str:
     # A forward in train mode: DDP first copies rank 0's buffers to all
     # ranks (forward_sync_buffers=True, the default), writing into each
     # rank's buffer.
@@ -129,9 +129,10 @@ def buffers(model: DDP, fix: bool) -> str:
 def buffers_remade(fix: bool) -> str:
     # Another way out, for a model whose other buffers must be broadcast
     # (BatchNorm's statistics): without --fix the clone() that the message
-    # asks for; with --fix the buffer made without the transpose.
+    # asks for.
+    # --fix: the buffer made without the transpose
     model = DDP(Net(pe="unsqueeze" if fix else "clone"))
-    return buffers(model, fix)
+    return buffers(model)
 
 
 def dropout(model: DDP) -> str:
@@ -231,7 +232,7 @@ def main(args: argparse.Namespace) -> None:
 
     lines = [f"custom_method {custom_method(model, args.fix)}"]
     lines.append(f"save_model {save_model(model, args.fix, folder)}")
-    lines.append(f"buffers {buffers(model, args.fix)}")
+    lines.append(f"buffers {buffers(model)}")
     lines.append(f"buffers_remade {buffers_remade(args.fix)}")
     lines.append(f"dropout {dropout(model)}")
     lines.append(f"device {device_choice(args.fix, args.no_accel)}")

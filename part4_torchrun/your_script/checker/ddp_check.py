@@ -233,7 +233,7 @@ def check_buffers(ranks: list[Rank]) -> list[Check]:
         detail = (
             f"{len(differing)} of {len(names)} buffer tensors differ at the end, first"
             f" {differing[0]!r}{measured}: make them agree before saving or evaluating:"
-            " broadcast rank 0's, or average them"
+            " average them, or broadcast rank 0's"
         )
         checks.append(Check("FAIL", name, detail, model))
     return checks
