@@ -12,9 +12,8 @@ from enum import Enum
 # Most changed code lines a step's diff may have, whatever its own budget says: one idea a step.
 # Step 1 starts processes and a group bound to its GPU at once; step 6 drops mp.spawn's start-up
 # (its port, its GPU check) for the launcher's variables; step 8 resumes mid-epoch (the loader's
-# place, a snapshot every N steps, the steps left); step 10 checks a snapshot: whose it is,
-# whether it reads, a refusal that ends the job, and error lines written whole.
-CEILING, CEILINGS = 30, {"1": 40, "6": 35, "8": 40, "10": 45}
+# place, a snapshot every N steps, the steps left).
+CEILING, CEILINGS = 30, {"1": 40, "6": 35, "8": 40}
 # Lines per script: the spine, then the steps that build on part 4. At 80 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
 SPINE_LINES, AFTER_SPINE_LINES = 240, 300
@@ -83,11 +82,12 @@ FAST1 = f"{SPEED}/speed1_precision.py"
 FAST2 = f"{SPEED}/speed2_compile.py"
 FAST3 = f"{SPEED}/speed3_workers.py"  # has every speed flag
 FAST4 = f"{SPEED}/speed4_device_data.py"  # the training set on the device
-FAULTS = "part4_torchrun/fault_tolerance"  # steps 7 to 10: snapshots and restarts
+FAULTS = "part4_torchrun/fault_tolerance"  # steps 7 to 11: snapshots and restarts
 SNAP1 = f"{FAULTS}/step07_epoch_snapshot.py"
 SNAP2 = f"{FAULTS}/step08_step_snapshot.py"  # resumes mid-epoch
 SNAP3 = f"{FAULTS}/step09_exact_resume.py"  # resumes exactly, mid-epoch
 SNAP4 = f"{FAULTS}/step10_checked_snapshot.py"  # resumes its own run's snapshot only
+SNAP5 = f"{FAULTS}/step11_locked_snapshot.py"  # and one run at a time
 SPINE = {"max_lines": SPINE_LINES, "spine": True}
 # What every quick run of the DDP steps shows, from step 1 on.
 IN_A_GROUP = (
@@ -293,10 +293,23 @@ STEPS = [
         SNAP3,
         "step 10",
         "torchrun",
-        "a snapshot that belongs to its run: recorded, checked, locked",
-        ("fcntl.flock(", "is another run's", ".tmp", "dict, run", "state, run"),
-        45,
-        # the longest script: step 9's 286 lines and its own 40
+        "a snapshot that belongs to its run: recorded and checked",
+        ("is another run's", "is not a snapshot", "dict, run", "state, run", "def stop("),
+        30,
+        # step 9's 290 lines and its own 20
+        max_lines=320,
+        checks_gpus=True,
+    ),
+    Step(
+        "11",
+        SNAP5,
+        SNAP4,
+        "step 11",
+        "torchrun",
+        "one run at a time: a lock, and a refusal that ends the job",
+        ("fcntl.flock(", ".tmp", "signal.SIGTERM"),
+        15,
+        # the longest script: step 10's 310 lines and its own 15
         max_lines=330,
         checks_gpus=True,
     ),

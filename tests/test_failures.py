@@ -28,6 +28,7 @@ EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each ep
 STEP_SNAPSHOT_SCRIPT = BY_LABEL["8"].script  # and within epochs: the loader's place
 SNAPSHOT_SCRIPT = BY_LABEL["9"].script  # and each rank's random state: an exact resume
 CHECKED_SNAPSHOT_SCRIPT = BY_LABEL["10"].script  # and a snapshot that belongs to its run
+LOCKED_SNAPSHOT_SCRIPT = BY_LABEL["11"].script  # and one run at a time: a lock
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
 GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
@@ -493,10 +494,11 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
 def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     """Step 10: a snapshot records the run that wrote it. A run with another model, seed, batch
     size, number of epochs or world size stops in one line naming the setting and both values,
-    and leaves the snapshot as it was; a second run cannot use a snapshot whose run is still
-    going (its lock); a crash's half-written file is removed at the next start. A file that
-    torch.load cannot read (cut short, random bytes, empty, a directory) stops every rank in one
-    line that names it and says why, and stays as it was."""
+    and leaves the snapshot as it was. A file that torch.load cannot read (cut short, random
+    bytes, empty, a directory) stops every rank in one line that names it and says why, and
+    stays as it was. Step 11: a second run cannot use a snapshot whose run is still going (its
+    lock); a crash's half-written file is removed at the next start. (One driver runs both
+    scripts' cases, torch imported once.)"""
     snapshot, tmp = tmp_path / "s.pt", tmp_path / "s.pt.tmp"
     base = [*TINY_RUN, "--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
     base += ["--checkpoint", ""]
@@ -511,8 +513,9 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     case = {"script": CHECKED_SNAPSHOT_SCRIPT, "args": base, "snapshot": str(snapshot)}
     cases = [case]  # trains, and leaves its snapshot
     cases += [{**case, "args": [*base, *extra]} for extra in refused]
-    cases += [{**case, "hold": True}]  # while another run holds the lock
-    cases += [{**case, "write": str(tmp)}]  # after a crash that left half a file: resumes
+    locked = {**case, "script": LOCKED_SNAPSHOT_SCRIPT}
+    cases += [{**locked, "hold": True}]  # while another run holds the lock
+    cases += [{**locked, "write": str(tmp)}]  # after a crash that left half a file: resumes
     # Damaged files, each at a path of its own -> what the line must say is wrong with it.
     whole = io.BytesIO()
     torch.save({"step": 0, "model": torch.nn.Linear(8, 2).state_dict()}, whole)
@@ -585,11 +588,11 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
 
 
 def test_a_refused_run_ends_its_torchrun_job(tmp_path: Path) -> None:
-    """Step 10 under `torchrun --max-restarts=2` while another run holds the snapshot's lock:
+    """Step 11 under `torchrun --max-restarts=2` while another run holds the snapshot's lock:
     rank 0 says so once and the job ends, not restarted (a restart would wait for the lock to
     free, then resume the other run's snapshot): a non-zero exit, no epoch, no process left."""
     snapshot, mark = tmp_path / "s.pt", f"DDP_TEST_RUN={tmp_path}"
-    command = [*TORCHRUN_2, "--max-restarts=2", CHECKED_SNAPSHOT_SCRIPT, *TINY_RUN]
+    command = [*TORCHRUN_2, "--max-restarts=2", LOCKED_SNAPSHOT_SCRIPT, *TINY_RUN]
     command += ["--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
     held = os.open(f"{snapshot}.lock", os.O_CREAT | os.O_RDWR)
     try:

@@ -317,7 +317,7 @@ def assert_trained(run: Run, probe: Probe, *, nodes: int, per_node: int, checkpo
         f"training must finish its epoch, reported once by rank 0\n{run.describe()}"
     )
     assert (epochs[0]["train_samples"], epochs[0]["test_samples"]) == (TRAIN_SAMPLES, TEST_SAMPLES)
-    # Every file (step10_checked_snapshot.py's snapshots too) is written by global rank 0, not
+    # Every file (step11_locked_snapshot.py's snapshots too) is written by global rank 0, not
     # one per node; the checkpoint once.
     saves = [(e["rank"], e["path"]) for e in probe.events("save")]
     assert {rank for rank, _ in saves} == {0}, f"writers: {saves}"
@@ -330,7 +330,7 @@ def tiny_run(checkpoint: Path, epochs: int = 1) -> list[str]:
 
 
 def job_args(folder: Path, epochs: int = 1) -> list[str]:
-    """The tiny run for step10_checked_snapshot.py, which part 4's job scripts run: its checkpoint
+    """The tiny run for step11_locked_snapshot.py, which part 4's job scripts run: its checkpoint
     and snapshot in `folder`, not in the repository's runs/."""
     return [*tiny_run(folder / "model.pt", epochs), "--snapshot", str(folder / "snapshot.pt")]
 

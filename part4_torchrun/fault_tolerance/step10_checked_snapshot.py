@@ -1,9 +1,7 @@
 """A step of a PyTorch DDP course: train an image classifier. See its README."""
 
 import argparse
-import fcntl
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -201,19 +199,6 @@ def main(args: argparse.Namespace) -> None:  # step 6
     elif "OMP_NUM_THREADS" not in os.environ:
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
-    # step 10: one run per snapshot: rank 0 locks it until its process ends (a
-    # crash too); refused, it ends the job, which torchrun would start again
-    if rank == 0:
-        lock = os.open(args.snapshot + ".lock", os.O_CREAT | os.O_RDWR)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # say why first
-                os.kill(os.getppid(), signal.SIGTERM)  # torchrun's agent
-            stop(f"another run is using {args.snapshot}")
-        if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
-            os.remove(args.snapshot + ".tmp")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # step 1: name the group's GPU, which NCCL would otherwise guess
     gpu = torch.cuda.current_device() if torch.cuda.is_available() else None

@@ -1,0 +1,325 @@
+"""A step of a PyTorch DDP course: train an image classifier. See its README."""
+
+import argparse
+import fcntl
+import os
+import signal
+import sys
+import tempfile
+import time
+from functools import partial
+from itertools import islice
+
+import timm
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchvision import transforms
+from tqdm import tqdm
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="per process"
+    )
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--model", default="resnet18", help="timm's, 32x32 in")
+    parser.add_argument(
+        "--dataset", default="cifar10", choices=["cifar10", "fake"]
+    )
+    parser.add_argument("--fake-size", type=int, default=50_000, help="images")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="per epoch; 0: all"
+    )
+    parser.add_argument(
+        "--checkpoint", default="checkpoint.pt", help="'': none"
+    )
+    parser.add_argument("--snapshot", default="snapshot.pt")  # step 7
+    parser.add_argument("--snapshot-every", type=int, default=100)  # step 8
+    args = parser.parse_args()
+    # Bad input, or a folder it cannot write to, ends here in one line.
+    if min(args.epochs, args.batch_size, args.fake_size) < 1:
+        parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
+    if args.snapshot_every < 1:  # step 8
+        parser.error("--snapshot-every must be 1 or more")
+    if not timm.is_model(args.model):
+        parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
+    paths = [args.checkpoint, args.snapshot]  # step 7
+    for folder in {os.path.dirname(p) or "." for p in paths if p}:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            where = os.path.abspath(folder)
+            parser.error(f"cannot write to {where}: {error.strerror}")
+    return args
+
+
+def log(message: str) -> None:
+    # One write per line: lines of processes sharing a terminal stay whole.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def stop(message: str) -> None:
+    # step 10: one write; torchrun runs python -u, and sys.exit writes twice
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(1)
+
+
+def read_launcher_env(env=os.environ) -> tuple[int, ...]:
+    # step 6: torchrun and srun say who each process is; python: a world of one
+    if "RANK" not in env and "SLURM_STEP_ID" not in env:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
+        return 0, 0, 1, 1
+    needs = {"MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE"}
+    if "RANK" not in env and not needs <= env.keys():
+        sys.exit(f"error: under srun, set {sorted(needs - env.keys())}")
+    torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
+    srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
+    srun.append("SLURM_NTASKS_PER_NODE")
+    return tuple(int(env[n]) for n in (torchrun if "RANK" in env else srun))
+
+
+def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
+    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    to_tensor = [transforms.ToTensor(), normalize]
+    flip = transforms.RandomHorizontalFlip()
+    augment = [transforms.RandomCrop(32, padding=4), flip]
+    train_tf = transforms.Compose(augment + to_tensor)
+    test_tf = transforms.Compose(to_tensor)
+    if args.dataset == "fake":
+        # Random images of CIFAR-10's shape: runs offline, learns nothing.
+        size, shape = args.fake_size, (3, 32, 32)
+        train = torchvision.datasets.FakeData(size, shape, 10, train_tf)
+        test = torchvision.datasets.FakeData(
+            size // 5, shape, 10, test_tf, random_offset=size
+        )
+        return train, test
+    try:
+        cifar10 = torchvision.datasets.CIFAR10
+        train = cifar10(args.data_dir, True, train_tf, download=download)
+        test = cifar10(args.data_dir, False, test_tf, download=download)
+    except (OSError, RuntimeError) as error:
+        # Offline (a URLError is an OSError), or files missing or damaged.
+        where = os.path.abspath(args.data_dir)
+        sys.exit(f"error: no CIFAR-10 in {where} ({error}); try --dataset fake")
+    return train, test
+
+
+def build_model(name: str) -> torch.nn.Module:
+    # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
+    # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
+    return timm.create_model(name, num_classes=10)
+
+
+# step 8: `steps` numbers the steps left of the epoch; `save` snapshots
+def train_one_epoch(model, loader, optimizer, device, steps, show_bar, save):
+    """(summed loss, correct predictions, images): one tensor on `device`."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    # disable=None: a progress bar on a terminal only, never in a job's log file
+    bar = tqdm(steps, leave=False, disable=None if show_bar else True)
+    for step, (images, labels) in zip(bar, loader, strict=False):  # step 8
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        # Sums stay on the device: .item() would wait for the GPU at every step.
+        totals[0] += loss.detach() * len(labels)
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+        if step + 1 < steps.stop:  # step 8: main saves at the epoch's end
+            save(step + 1)
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_steps: int):
+    """(correct predictions, images) as one tensor on `device`; 0 steps: all."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for images, labels in islice(loader, max_steps or None):
+        images, labels = images.to(device), labels.to(device)
+        totals[0] += (model(images).argmax(1) == labels).sum()
+        totals[1] += len(labels)
+    return totals
+
+
+def epoch_line(epoch, epochs, train: list, test: list, seconds: float) -> str:
+    (loss_sum, correct, seen), (test_correct, test_seen) = train, test
+    return (
+        f"epoch {epoch + 1}/{epochs} train_loss={loss_sum / seen:.4f}"
+        f" train_acc={100 * correct / seen:.2f}% train_samples={int(seen)}"
+        f" test_acc={100 * test_correct / test_seen:.2f}%"
+        f" test_samples={int(test_seen)}"
+        f" samples/s={seen / seconds:.1f} epoch_s={seconds:.2f}"
+    )
+
+
+def save_checkpoint(model: torch.nn.Module, path: str) -> None:
+    torch.save(model.state_dict(), path)
+    log(f"saved checkpoint {path}")
+
+
+def save_snapshot(path: str, state: dict, run, every=1, step=0) -> None:
+    rngs = [None] * dist.get_world_size()  # step 9: mid-epoch, each rank's RNG
+    if step and not step % every:
+        dist.all_gather_object(rngs, torch.get_rng_state())
+    if dist.get_rank() or step % every:  # step 8: rank 0, every `every` steps
+        return
+    # step 7: each object's state (no RNG: each epoch reseeds), to a temporary
+    # file, renamed: a crash leaves no half file (a power cut needs os.fsync)
+    snapshot = {name: obj.state_dict() for name, obj in state.items()}
+    snapshot.update(rng=rngs, step=step, run=run)  # step 10: and whose
+    torch.save(snapshot, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def main(args: argparse.Namespace) -> None:  # step 6
+    rank, local_rank, world_size, local_world_size = read_launcher_env()
+    # step 1: NCCL and a GPU per process; else gloo, the cores shared
+    if torch.cuda.is_available():
+        # step 4: one GPU per process
+        if local_world_size > torch.cuda.device_count():
+            gpus = torch.cuda.device_count()
+            sys.exit(f"error: {local_world_size} processes, {gpus} GPU(s)")
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        threads = torch.get_num_threads() // local_world_size
+        torch.set_num_threads(max(1, threads))
+    # step 11: one run per snapshot: rank 0 locks it until its process ends (a
+    # crash too); refused, it ends the job, which torchrun would start again
+    if rank == 0:
+        lock = os.open(args.snapshot + ".lock", os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # say why first
+                os.kill(os.getppid(), signal.SIGTERM)  # torchrun's agent
+            stop(f"another run is using {args.snapshot}")
+        if os.path.exists(args.snapshot + ".tmp"):  # a crash's half file
+            os.remove(args.snapshot + ".tmp")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # step 1: name the group's GPU, which NCCL would otherwise guess
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, device_id=gpu
+    )
+    # Same seed, same initial weights and the same data order on every run.
+    torch.manual_seed(args.seed)
+    # step 4: name this process's GPU; "cuda" alone relies on set_device
+    cuda = f"cuda:{local_rank}"
+    device = torch.device(cuda if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
+    if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
+        build_datasets(args, download=True)
+    dist.barrier()
+    train_set, test_set = build_datasets(args, download=False)
+    # step 3: each rank trains on its shard and scores every world_size-th image
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))
+    train_loader = StatefulDataLoader(  # step 8: its place; 9: its own RNG
+        train_set, args.batch_size, sampler=sampler, generator=torch.Generator()
+    )
+    test_loader = DataLoader(test_set, args.batch_size)
+
+    model = build_model(args.model).to(device)
+    # step 2: DDP copies rank 0's weights to all ranks, then averages gradients
+    ids = [local_rank] if device.type == "cuda" else None  # step 4
+    model = DDP(model, device_ids=ids)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+    scheduler = cosine(optimizer, T_max=args.epochs)
+    # step 10: what this run is; a snapshot of another stops every rank
+    names = ["model", "dataset", "fake_size", "seed", "batch_size", "lr"]
+    run = {n: getattr(args, n) for n in [*names, "epochs", "max_steps"]}
+    run["world_size"] = world_size
+    # step 7: what a snapshot holds; every rank loads it
+    state = dict(model=model.module, optimizer=optimizer, scheduler=scheduler)
+    state["loader"], first_step = train_loader, 0  # step 8
+    if os.path.exists(args.snapshot):
+        # step 9: DDP orders its buckets by the first backward pass; one on a
+        # blank batch gives the resumed run the order of the run it resumes
+        model(torch.zeros(2, 3, 32, 32, device=device)).sum().backward()
+        try:  # step 10: a file torch.load cannot read stops every rank
+            saved = torch.load(args.snapshot, map_location="cpu")
+        except Exception as error:  # its kind, and torch's first sentence
+            why = f"{type(error).__name__}: {error}".split(". ")[0].rstrip(": ")
+            stop(f"{args.snapshot} is not a snapshot ({why})")
+        ran = saved.get("run", {})  # step 10
+        for name, value in run.items():
+            if ran.get(name) != value:
+                what = f"{name} {ran.get(name)} there, {value} here"
+                stop(f"{args.snapshot} is another run's: {what}")
+        first_step = saved["step"]  # step 8: the steps done in the epoch
+        for name, obj in state.items():
+            if name != "loader" or first_step:  # step 8: at 0, a new loader
+                obj.load_state_dict(saved[name])
+    start_epoch = scheduler.last_epoch  # step 7: it counts the epochs done
+    if os.path.exists(args.snapshot) and rank == 0:
+        done = f"{start_epoch} of {args.epochs} epochs, {first_step} steps done"
+        if start_epoch == args.epochs:  # step 7: a finished run's snapshot
+            done += ": nothing to train (remove it or name another)"
+        log(f"resumed from {args.snapshot}: {done}")
+
+    # step 8: an epoch's steps, and the saver the training loop calls
+    per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
+    every = args.snapshot_every  # step 10
+    save = partial(save_snapshot, args.snapshot, state, run, every)
+    for epoch in range(start_epoch, args.epochs):  # step 7
+        # step 3: a new shuffle every epoch, else epoch 0's order; and each
+        # rank its own crops and flips; the weights stay those DDP broadcast
+        sampler.set_epoch(epoch)
+        torch.manual_seed(hash((args.seed, rank, epoch)))
+        if first_step:  # step 9: resumed mid-epoch: this rank's RNG, as saved
+            torch.set_rng_state(saved["rng"][rank])
+        start = time.perf_counter()
+        show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        # step 8: the steps left of this epoch; the next epoch starts at 0
+        steps, first_step = range(first_step, per_epoch), 0
+        totals = train_one_epoch(
+            model, train_loader, optimizer, device, steps, show_bar, save
+        )
+        dist.all_reduce(totals)  # step 3: add up the counts of all ranks
+        # .tolist() waits until the device ends the epoch: then read the clock.
+        train = totals.tolist()
+        seconds = time.perf_counter() - start
+        # step 3: each rank its shard, through the wrapper: its first forward
+        # copies rank 0's buffers (BatchNorm's), so all score rank 0's model
+        test_sums = evaluate(model, test_loader, device, args.max_steps)
+        dist.all_reduce(test_sums)  # step 3
+        test = test_sums.tolist()
+        scheduler.step()
+        if rank == 0:  # step 1: one line per epoch, not one per process
+            log(epoch_line(epoch, args.epochs, train, test, seconds))
+            save(0)  # step 10: the saver, which records the run
+    if args.checkpoint and rank == 0:  # step 1: one writer
+        # step 5: save the model inside DDP's wrapper: keys without "module."
+        save_checkpoint(model.module, args.checkpoint)
+        saved = torch.load(args.checkpoint, map_location="cpu")
+        build_model(args.model).load_state_dict(saved)
+        log(f"checkpoint {args.checkpoint} loads into a bare {args.model}")
+    dist.destroy_process_group()  # step 1
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    main(args)  # step 6: torchrun, srun or python start it once per process
