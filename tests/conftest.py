@@ -21,10 +21,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE_PATH = Path(__file__).resolve().parent / "probe"
-# The course's checker for any script (part4_torchrun/your_script/): its recorder and report.
-CHECKER_PATH = REPO / "part4_torchrun" / "your_script" / "checker"
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+# The your-own-script chapter; its checker for any script (the recorder's folder, and the
+# command that launches a script under it); the chapter's launcher: 2 gloo ranks.
+YOUR_SCRIPT = "part4_torchrun/your_script"
+CHECKER_PATH = REPO / YOUR_SCRIPT / "checker"
+CHECKER_COMMAND = [PYTHON, str(CHECKER_PATH / "ddp_check.py")]
+TORCHRUN_2 = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 
 # A tiny timm ResNet on a small fake CIFAR-10: the real code paths, seconds of compute.
 TINY_RUN = [
@@ -306,6 +310,27 @@ class Probe:
             )
             pairs = zip(first[0]["params"], first[rank]["params"], strict=True)
             assert all(torch.equal(a, b) for a, b in pairs), f"rank {rank} began with other weights"
+
+
+def launch_at_once(
+    commands: list[list[str]],
+    *,
+    timeout: float,
+    check: bool = True,
+    at_once: int = 0,
+    envs: list[dict[str, str] | None] | None = None,
+) -> list[Run]:
+    """launch() each command (with its entry of `envs`), `at_once` at a time (0: all), each in
+    a process group of its own and under its own timeout; the runs in the commands' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    envs = envs or [None] * len(commands)
+    with ThreadPoolExecutor(at_once or len(commands)) as pool:
+        futures = [
+            pool.submit(launch, command, timeout=timeout, check=check, env=env)
+            for command, env in zip(commands, envs, strict=True)
+        ]
+        return [future.result() for future in futures]
 
 
 def checker():

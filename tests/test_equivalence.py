@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 
-from conftest import PYTHON, TORCHRUN, Run, launch
+from conftest import PYTHON, TORCHRUN_2, YOUR_SCRIPT, Run, launch_at_once
 
-SCRIPT = "part4_torchrun/your_script/equivalence.py"
-TWO_RANKS = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
+SCRIPT = f"{YOUR_SCRIPT}/equivalence.py"
 # Seconds per launch; healthy ones take 4-13 s here, more on a loaded 2-core machine.
 TIMEOUT = 180
 LINE = re.compile(
@@ -28,16 +26,10 @@ BUG = [*CHAOS, "--bug", "batch-per-rank"]
 def runs(*commands: tuple[int, list[str]]) -> list[Run]:
     """(ranks, options) -> the run of equivalence.py: 1 rank under python, 2 under torchrun;
     two launches at a time."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(
-                launch,
-                [*([PYTHON] if ranks == 1 else TWO_RANKS), SCRIPT, *options],
-                timeout=TIMEOUT,
-            )
-            for ranks, options in commands
-        ]
-        return [future.result() for future in futures]
+    launches = [
+        [*([PYTHON] if ranks == 1 else TORCHRUN_2), SCRIPT, *options] for ranks, options in commands
+    ]
+    return launch_at_once(launches, timeout=TIMEOUT, at_once=2)
 
 
 def diffs(run: Run, ranks: int, options: str = "") -> dict[tuple[str, int], float]:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from concurrent.futures import ThreadPoolExecutor
 
-from conftest import REPO, TORCHRUN, Run, launch
+from conftest import REPO, TORCHRUN_2, YOUR_SCRIPT, Run, launch_at_once
 
-FOLDER = "part4_torchrun/your_script"
-TWO_RANKS = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 # Seconds per launch; healthy ones take 10-20 s on a loaded 2-core machine.
 TIMEOUT = 180
 ERROR_LINE = re.compile(r"^\[rank(\d)\]: RuntimeError: (.*)$", re.MULTILINE)
@@ -22,17 +19,8 @@ ERROR_LINE = re.compile(r"^\[rank(\d)\]: RuntimeError: (.*)$", re.MULTILINE)
 
 def launches(script: str, *variants: tuple[str, ...]) -> list[Run]:
     """The script on 2 gloo ranks once per variant (its arguments), all launched at once."""
-    with ThreadPoolExecutor(len(variants)) as pool:
-        futures = [
-            pool.submit(
-                launch,
-                [*TWO_RANKS, f"{FOLDER}/{script}", *args],
-                timeout=TIMEOUT,
-                check=False,
-            )
-            for args in variants
-        ]
-        return [future.result() for future in futures]
+    commands = [[*TORCHRUN_2, f"{YOUR_SCRIPT}/{script}", *args] for args in variants]
+    return launch_at_once(commands, timeout=TIMEOUT, check=False)
 
 
 # ---- outside_step.py: a forward through the wrapper on rank 0 alone ----------------------------
@@ -150,7 +138,7 @@ def test_running_statistics_differ_after_training_and_agree_once_averaged_or_bro
 
 
 def test_a_view_with_the_configured_batch_size_fails_on_a_shards_shorter_last_batch() -> None:
-    spec = importlib.util.spec_from_file_location("wrapper", REPO / FOLDER / "wrapper.py")
+    spec = importlib.util.spec_from_file_location("wrapper", REPO / YOUR_SCRIPT / "wrapper.py")
     wrapper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wrapper)
     # One device: 12 samples make three full batches of 4, so the habit works.

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 
-from conftest import PYTHON, TORCHRUN, Run, launch
+from conftest import CHECKER_COMMAND, TORCHRUN_2, YOUR_SCRIPT, Run, launch, launch_at_once
 
-FOLDER = "part4_torchrun/your_script"
-CHECKER = [PYTHON, f"{FOLDER}/checker/ddp_check.py"]
-TWO_RANKS = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 # Seconds per launch; healthy ones take 10-20 s on a loaded 2-core machine.
 TIMEOUT = 180
 
@@ -22,22 +18,12 @@ TIMEOUT = 180
 def without_and_with_fix(script: str, checked: bool = False) -> dict[bool, Run]:
     """fix -> the run of `script` on 2 gloo ranks, the two launched at once; checked: under the
     chapter's checker (its exit status is 1 when a check fails)."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = {
-            fix: pool.submit(
-                launch,
-                [
-                    *(CHECKER if checked else []),
-                    *TWO_RANKS,
-                    f"{FOLDER}/{script}",
-                    *(["--fix"] if fix else []),
-                ],
-                timeout=TIMEOUT,
-                check=not checked,
-            )
-            for fix in (False, True)
-        }
-        return {fix: future.result() for fix, future in futures.items()}
+    commands = [
+        [*(CHECKER_COMMAND if checked else []), *TORCHRUN_2, f"{YOUR_SCRIPT}/{script}", *fix]
+        for fix in ([], ["--fix"])
+    ]
+    unfixed, fixed = launch_at_once(commands, timeout=TIMEOUT, check=not checked)
+    return {False: unfixed, True: fixed}
 
 
 def number(run: Run, pattern: str) -> float:
@@ -83,7 +69,7 @@ def test_a_seed_drawn_in_each_process_overlaps_the_shards_and_rank_0s_seed_does_
     unfixed = runs[False]
     seeds = seeds_of(unfixed)
     if seeds[0] == seeds[1]:
-        command = [*CHECKER, *TWO_RANKS, f"{FOLDER}/random_seed.py"]
+        command = [*CHECKER_COMMAND, *TORCHRUN_2, f"{YOUR_SCRIPT}/random_seed.py"]
         unfixed = launch(command, timeout=TIMEOUT, check=False)
         seeds = seeds_of(unfixed)
     assert seeds[0] != seeds[1], unfixed.describe()

@@ -12,15 +12,23 @@ import os
 import re
 import signal
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TORCHRUN, Run, checker, free_port, launch, with_environ
+from conftest import (
+    CHECKER_COMMAND,
+    PYTHON,
+    REPO,
+    TORCHRUN_2,
+    YOUR_SCRIPT,
+    Run,
+    checker,
+    free_port,
+    launch,
+    launch_at_once,
+    with_environ,
+)
 
-FOLDER = "part4_torchrun/your_script"
-CHECKER = [PYTHON, f"{FOLDER}/checker/ddp_check.py"]
-TWO_RANKS = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 # Seconds per launch; healthy ones take 3-8 s here.
 TIMEOUT = 120
 REPORT_LINE = re.compile(r"^ddp_check: (ok|FAIL|--)\s+(.+?): (.*)$", re.MULTILINE)
@@ -29,8 +37,9 @@ EPOCH_LINE = re.compile(r"^epoch (\d+) rank (\d) val_loss=([\d.]+) lr=([\d.e-]+)
 
 def torchrun(script: str, *args: str, checked: bool = False, check: bool = True) -> Run:
     """The script on 2 gloo ranks under torchrun; checked: under the checker's wrapper."""
-    command = [*TWO_RANKS, f"{FOLDER}/{script}", *args]
-    return launch([*CHECKER, *command] if checked else command, timeout=TIMEOUT, check=check)
+    command = [*TORCHRUN_2, f"{YOUR_SCRIPT}/{script}", *args]
+    command = [*CHECKER_COMMAND, *command] if checked else command
+    return launch(command, timeout=TIMEOUT, check=check)
 
 
 def report(run: Run) -> dict[str, tuple[str, str]]:
@@ -61,7 +70,7 @@ def decisions_by_rank(run: Run) -> dict[int, list[tuple[int, float, float]]]:
 
 def load_script(name: str):
     """A chapter script as a module, without running its main()."""
-    spec = importlib.util.spec_from_file_location(name, REPO / FOLDER / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / YOUR_SCRIPT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -75,8 +84,8 @@ def test_rank_local_decisions_split_the_replicas_and_the_checker_catches_it(
 ) -> None:
     # Recorded with the environment variables alone, reported afterwards (the README's 2nd way).
     records = tmp_path / "records"
-    env = {"PYTHONPATH": str(REPO / FOLDER / "checker"), "DDP_CHECK_DIR": str(records)}
-    run = launch([*TWO_RANKS, f"{FOLDER}/decisions.py"], timeout=TIMEOUT, env=env)
+    env = {"PYTHONPATH": str(REPO / YOUR_SCRIPT / "checker"), "DDP_CHECK_DIR": str(records)}
+    run = launch([*TORCHRUN_2, f"{YOUR_SCRIPT}/decisions.py"], timeout=TIMEOUT, env=env)
     by_rank = decisions_by_rank(run)
     # 12 epochs of 16 steps: 512 samples, 256 a rank, 16 a step
     assert len(by_rank[0]) == len(by_rank[1]) == 12, run.describe()
@@ -332,7 +341,7 @@ def test_checker_reports_loaders_that_every_rank_reads_whole_and_refuses_bad_inp
         ]  # fmt: skip
         lines = "".join(json.dumps(e) + "\n" for e in events)
         (tmp_path / f"{100 + rank}.jsonl").write_text(lines)
-    run = launch([*CHECKER, "--report", str(tmp_path)], timeout=TIMEOUT, check=False)
+    run = launch([*CHECKER_COMMAND, "--report", str(tmp_path)], timeout=TIMEOUT, check=False)
     assert run.returncode == 1, run.describe()
     status, detail = verdict(
         report(run), "loader samples disjoint (loader 0, MNIST, RandomSampler)"
@@ -342,14 +351,14 @@ def test_checker_reports_loaders_that_every_rank_reads_whole_and_refuses_bad_inp
     # No records: nothing proved, so a failure.
     empty = tmp_path / "empty"
     empty.mkdir()
-    run = launch([*CHECKER, "--report", str(empty)], timeout=TIMEOUT, check=False)
+    run = launch([*CHECKER_COMMAND, "--report", str(empty)], timeout=TIMEOUT, check=False)
     assert run.returncode == 1 and "nothing to check" in run.stdout, run.describe()
     # Records of two runs in one folder, no command, a folder that is missing: one line each.
     (tmp_path / "102.jsonl").write_text((tmp_path / "100.jsonl").read_text())
-    run = launch([*CHECKER, "--report", str(tmp_path)], timeout=TIMEOUT, check=False)
+    run = launch([*CHECKER_COMMAND, "--report", str(tmp_path)], timeout=TIMEOUT, check=False)
     assert run.returncode == 2 and "rank 0 appears in two processes" in run.stderr
     for args in ([], ["--report", str(tmp_path / "missing")]):
-        run = launch([*CHECKER, *args], timeout=TIMEOUT, check=False)
+        run = launch([*CHECKER_COMMAND, *args], timeout=TIMEOUT, check=False)
         assert run.returncode == 2 and "error:" in run.stderr and "Traceback" not in run.stderr
 
 
@@ -446,18 +455,9 @@ def planted(tmp_path: Path, name: str, text: str) -> tuple[str, dict[str, int]]:
 
 def checked(*commands: list[str], env: dict[str, str] | None = None) -> list[Run]:
     """Each command under the checker, two at a time; `env`: for the last one only."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(
-                launch,
-                [*CHECKER, *command],
-                timeout=SLOW,
-                check=False,
-                env=env if number == len(commands) - 1 else None,
-            )
-            for number, command in enumerate(commands)
-        ]
-        return [future.result() for future in futures]
+    envs = [None] * (len(commands) - 1) + [env]
+    commands_checked = [[*CHECKER_COMMAND, *command] for command in commands]
+    return launch_at_once(commands_checked, timeout=SLOW, check=False, at_once=2, envs=envs)
 
 
 def saved_difference(records: Path, key: str) -> tuple[list[str], float]:
@@ -479,7 +479,7 @@ def test_checker_sees_buffers_draws_and_sampler_seeds_and_not_duplicates_or_barr
     records = {fix: tmp_path / f"records_{fix}" for fix in (False, True)}
     unfixed, fixed = checked(
         *(
-            ["--keep", str(records[fix]), "--draws", *TWO_RANKS, script, *(["--fix"] * fix)]
+            ["--keep", str(records[fix]), "--draws", *TORCHRUN_2, script, *(["--fix"] * fix)]
             for fix in (False, True)
         )
     )
@@ -576,7 +576,7 @@ def test_checker_deadline_ends_a_hang_in_a_collective_and_one_outside_any(tmp_pa
     alone = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     alone |= {"RANK": "0", "WORLD_SIZE": "1"}
     in_collective, outside = checked(
-        ["--deadline", "10", *TWO_RANKS, script, "barrier"],
+        ["--deadline", "10", *TORCHRUN_2, script, "barrier"],
         ["--deadline", "5", PYTHON, script, "sleep"],
         env=alone,
     )
@@ -628,7 +628,7 @@ def test_checker_ends_the_whole_launch_on_sigterm_and_says_where_each_rank_waite
         return True
 
     run = launch(
-        [*CHECKER, "--keep", str(records), *TWO_RANKS, script, "barrier"],
+        [*CHECKER_COMMAND, "--keep", str(records), *TORCHRUN_2, script, "barrier"],
         timeout=SLOW,
         env={"DDP_CHECK_TEST": str(tmp_path)},
         check=False,
