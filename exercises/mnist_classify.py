@@ -37,7 +37,9 @@ def parse_args() -> argparse.Namespace:
         "--lr", type=float, default=1.0, help="Adadelta learning rate"
     )
     parser.add_argument(
-        "--data-dir", default="data", help="MNIST is downloaded here if missing"
+        "--data-dir",
+        default="data",
+        help="MNIST is downloaded here if missing",
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="DataLoader worker processes"
@@ -75,7 +77,9 @@ def build_datasets(data_dir: str, download: bool) -> tuple:
 def build_loaders(args: argparse.Namespace):
     train_set, test_set = build_datasets(args.data_dir, download=True)
     # Persistent workers start once, not every epoch (slow, and can hang).
-    kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
+    kwargs = dict(
+        num_workers=args.workers, persistent_workers=args.workers > 0
+    )
     # Not fork: a fork while other threads hold a lock can hang the worker.
     kwargs["multiprocessing_context"] = "spawn" if args.workers else None
     # pin_memory: page-locked host memory makes copies to the GPU faster
@@ -111,7 +115,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # disable=None: a progress bar on a terminal only, never in a job's log file
+    # disable=None: a progress bar on a terminal only, never in a job's log
     bar = tqdm(loader, leave=False, disable=None if show_bar else True)
     for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
@@ -120,7 +124,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: .item() would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)

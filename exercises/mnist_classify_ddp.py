@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from tqdm import tqdm
 
-# TODO(step 1): from datetime import timedelta; import torch.distributed as dist
+# TODO(step 1): from datetime import timedelta, import torch.distributed
 # TODO(step 2): from torch.nn.parallel import DistributedDataParallel as DDP
 # TODO(step 3): DistributedSampler (torch.utils.data.distributed) and Subset
 
@@ -40,7 +40,9 @@ def parse_args() -> argparse.Namespace:
         "--lr", type=float, default=1.0, help="Adadelta learning rate"
     )
     parser.add_argument(
-        "--data-dir", default="data", help="MNIST is downloaded here if missing"
+        "--data-dir",
+        default="data",
+        help="MNIST is downloaded here if missing",
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="DataLoader worker processes"
@@ -105,7 +107,9 @@ def build_loaders(args: argparse.Namespace):
     #   DistributedSampler(train_set, ...) instead of shuffle=True; and
     #   Subset(test_set, range(rank, len(test_set), world_size))
     # Persistent workers start once, not every epoch (slow, and can hang).
-    kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
+    kwargs = dict(
+        num_workers=args.workers, persistent_workers=args.workers > 0
+    )
     # Not fork: a fork while other threads hold a lock can hang the worker.
     kwargs["multiprocessing_context"] = "spawn" if args.workers else None
     # pin_memory: page-locked host memory makes copies to the GPU faster
@@ -141,7 +145,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # disable=None: a progress bar on a terminal only, never in a job's log file
+    # disable=None: a progress bar on a terminal only, never in a job's log
     bar = tqdm(loader, leave=False, disable=None if show_bar else True)
     for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
@@ -150,7 +154,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: .item() would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -218,7 +222,7 @@ def main() -> None:
         totals = train_one_epoch(
             model, train_loader, optimizer, device, show_bar
         )
-        # TODO(step 3): each rank counted its own share: dist.all_reduce(totals)
+        # TODO(step 3): each rank counted its share: dist.all_reduce(totals)
         #   sums them over the ranks. It also waits for the slowest rank, so
         #   the clock below stops once the epoch has ended everywhere: no
         #   dist.barrier() needed.

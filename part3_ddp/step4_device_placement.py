@@ -1,4 +1,4 @@
-"""A step of a PyTorch DDP course: train an image classifier. See its README."""
+"""A step of a PyTorch DDP course: train an image classifier (see README)."""
 
 import argparse
 import os
@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
-        parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
+        parser.error("--epochs, --batch-size and --fake-size must be positive")
     if not timm.is_model(args.model):
         parser.error(f"unknown --model {args.model!r}: see timm.list_models()")
     for folder in {os.path.dirname(p) or "." for p in [args.checkpoint] if p}:
@@ -87,25 +87,25 @@ def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
         test = cifar10(args.data_dir, False, test_tf, download=download)
     except (OSError, RuntimeError) as error:
         # Offline (a URLError is an OSError), or files missing or damaged.
-        where = os.path.abspath(args.data_dir)
-        sys.exit(f"error: no CIFAR-10 in {where} ({error}); try --dataset fake")
+        path = os.path.abspath(args.data_dir)
+        sys.exit(f"error: no CIFAR-10 in {path} ({error}); try --dataset fake")
     return train, test
 
 
 def build_model(name: str) -> torch.nn.Module:
-    # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
+    # An ImageNet model from timm, 10 outputs. Its stem shrinks 32x32 images
     # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
     return timm.create_model(name, num_classes=10)
 
 
-def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar):
+def train_one_epoch(model, loader, optimizer, device, max_steps, verbose):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     steps = min(len(loader), max_steps or len(loader))
-    # disable=None: a progress bar on a terminal only, never in a job's log file
+    # disable=None: a progress bar on a terminal only, never in a job's log
     batches = islice(loader, steps)
-    bar = tqdm(batches, steps, leave=False, disable=None if show_bar else True)
+    bar = tqdm(batches, steps, leave=False, disable=None if verbose else True)
     for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
@@ -113,7 +113,7 @@ def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: .item() would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -122,7 +122,7 @@ def train_one_epoch(model, loader, optimizer, device, max_steps, show_bar):
 
 @torch.no_grad()
 def evaluate(model, loader, device, max_steps: int):
-    """(correct predictions, images) as one tensor on `device`; 0 steps: all."""
+    """(correct predictions, images), one tensor on `device`; 0 steps: all."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for images, labels in islice(loader, max_steps or None):
@@ -173,12 +173,12 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
     cuda = f"cuda:{local_rank}"
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
-    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
     train_set, test_set = build_datasets(args, download=False)
-    # step 3: each rank trains on its shard and scores every world_size-th image
+    # step 3: each rank trains on its shard, scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
@@ -200,9 +200,9 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
         sampler.set_epoch(epoch)
         torch.manual_seed(hash((args.seed, rank, epoch)))
         start = time.perf_counter()
-        show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        verbose = rank == 0  # step 1: rank 0 alone draws a progress bar
         totals = train_one_epoch(
-            model, train_loader, optimizer, device, args.max_steps, show_bar
+            model, train_loader, optimizer, device, args.max_steps, verbose
         )
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks
         # .tolist() waits until the device ends the epoch: then read the clock.

@@ -69,7 +69,9 @@ def setup_process_group() -> tuple[int, int, torch.device]:
     # SLURM_PROCID, and the job script exports MASTER_ADDR and MASTER_PORT
     if "RANK" in env:
         names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
-    elif "SLURM_PROCID" in env and {"MASTER_ADDR", "MASTER_PORT"} <= env.keys():
+    elif (
+        "SLURM_PROCID" in env and {"MASTER_ADDR", "MASTER_PORT"} <= env.keys()
+    ):
         names = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
         names.append("SLURM_NTASKS_PER_NODE")
     else:
@@ -87,7 +89,8 @@ def setup_process_group() -> tuple[int, int, torch.device]:
         threads = torch.get_num_threads() // local_world_size
         torch.set_num_threads(max(1, threads))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # a collective that waits this long for a lost rank fails instead of hanging
+    # a collective that waits this long for a lost rank fails instead of
+    # hanging
     timeout = timedelta(seconds=int(env.get("DDP_TIMEOUT_S", 60)))
     # this process's GPU, named: NCCL would otherwise guess it
     gpu = local_rank if torch.cuda.is_available() else None
@@ -150,8 +153,9 @@ def main() -> None:
     if rank == 0:
         algo = os.environ.get("NCCL_ALGO", "auto")
         log(
-            f"# all_reduce world_size={world_size} backend={dist.get_backend()}"
-            f" device={device.type} NCCL_ALGO={algo}"
+            f"# all_reduce world_size={world_size}"
+            f" backend={dist.get_backend()} device={device.type}"
+            f" NCCL_ALGO={algo}"
             f" dtype=float32 iters={args.iters}"
         )
         log("# " + " ".join(f"{column:>12}" for column in COLUMNS))

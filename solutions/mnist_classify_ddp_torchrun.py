@@ -43,7 +43,9 @@ def parse_args() -> argparse.Namespace:
         "--lr", type=float, default=1.0, help="Adadelta learning rate"
     )
     parser.add_argument(
-        "--data-dir", default="data", help="MNIST is downloaded here if missing"
+        "--data-dir",
+        default="data",
+        help="MNIST is downloaded here if missing",
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="DataLoader worker processes"
@@ -123,7 +125,9 @@ def build_loaders(args: argparse.Namespace, rank: int, world_size: int):
     # step 3: every world_size-th test image, without the sampler's padding
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     # Persistent workers start once, not every epoch (slow, and can hang).
-    kwargs = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
+    kwargs = dict(
+        num_workers=args.workers, persistent_workers=args.workers > 0
+    )
     # Not fork: a fork while other threads hold a lock can hang the worker.
     kwargs["multiprocessing_context"] = "spawn" if args.workers else None
     # pin_memory: page-locked host memory makes copies to the GPU faster
@@ -159,7 +163,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # disable=None: a progress bar on a terminal only, never in a job's log file
+    # disable=None: a progress bar on a terminal only, never in a job's log
     bar = tqdm(loader, leave=False, disable=None if show_bar else True)
     for images, labels in bar:
         images, labels = images.to(device), labels.to(device)
@@ -168,7 +172,7 @@ def train_one_epoch(model, loader, optimizer, device, show_bar: bool):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: .item() would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -214,7 +218,9 @@ def main() -> None:
     cuda = f"cuda:{local_rank}"
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
-    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
+    log(
+        f"rank {rank}/{world_size} device={device} threads={threads}"
+    )  # step 1
 
     train_loader, test_loader = build_loaders(args, rank, world_size)  # step 1
 

@@ -43,13 +43,18 @@ def parse_args() -> argparse.Namespace:
     )
     threads = int(os.environ.get("OMP_NUM_THREADS", 1))
     parser.add_argument(
-        "--threads", type=int, default=threads, help="per process, in every run"
+        "--threads",
+        type=int,
+        default=threads,
+        help="per process, in every run",
     )
     parser.add_argument(
         "--csv", default="runs/scaling.csv", help="one row appended per run"
     )
     parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, help="after --: for the script"
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="after --: for the script",
     )
     args = parser.parse_args()
     args.script_args = [a for a in args.script_args if a != "--"]
@@ -91,7 +96,9 @@ def run_once(launcher, processes, threads, script_args, step) -> dict:
         env["MASTER_PORT"] = str(port)
     command = command_for(launcher, processes) + script_args
     log(f"$ OMP_NUM_THREADS={threads} {' '.join(command)}")
-    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+    result = subprocess.run(
+        command, env=env, stdout=subprocess.PIPE, text=True
+    )
     sys.stdout.write(result.stdout)
     epochs = list(EPOCH_LINE.finditer(result.stdout))
     if result.returncode != 0 or not epochs:

@@ -14,10 +14,10 @@ from enum import Enum
 # (its port, its GPU check) for the launcher's variables; step 8 resumes mid-epoch (the loader's
 # place, a snapshot every N steps, the steps left).
 CEILING, CEILINGS = 30, {"1": 40, "6": 35, "8": 40}
-# Lines per script: the spine, then the steps that build on part 4. At 80 columns
+# Lines per script: the spine, then the steps that build on part 4. At 79 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
 SPINE_LINES, AFTER_SPINE_LINES = 240, 300
-MAX_WIDTH = 80
+MAX_WIDTH = 79
 
 
 class Claim(Enum):
@@ -272,7 +272,7 @@ STEPS = [
         "step 8",
         "torchrun",
         "resume mid-epoch: the loader's place, a snapshot every N steps",
-        ("StatefulDataLoader(", "--snapshot-every", "first_step", "show_bar, save"),
+        ("StatefulDataLoader(", "--snapshot-every", "first_step", "verbose, save"),
         39,
         checks_gpus=True,
     ),
@@ -284,7 +284,7 @@ STEPS = [
         "torchrun",
         "an exact resume: each rank's random state, the loader's own, DDP's buckets",
         ("all_gather_object(", "set_rng_state(", "generator=", "backward()"),
-        14,
+        17,
         checks_gpus=True,
     ),
     Step(

@@ -166,7 +166,7 @@ def test_sigkill_mid_epoch_restarts_and_ends_bit_exact(restarted_and_reference) 
         "Worker group FAILED. 1/1 attempts left; will restart worker group" in run.stderr
     )  # LOGLEVEL=INFO
     # Resumed mid-epoch: from the snapshot at step 2 of epoch 2, not from the epoch's start.
-    assert f"resumed from {out / 'snapshot.pt'}: 1 of 3 epochs, 2 steps done" in run.stdout, (
+    assert f"resumed from {out / 'snapshot.pt'}: 1/3 epochs, 2 steps done" in run.stdout, (
         run.describe()
     )
     epochs = [int(e["epoch"]) for e in run.epochs()]
@@ -228,7 +228,7 @@ def test_epoch_snapshot_resumes_where_the_crash_left_it(tmp_path: Path) -> None:
     ]
     assert [int(e["epoch"]) for e in crashed.epochs()] == [1, 2]
     assert resumed.returncode == 0, resumed.describe()
-    assert f"resumed from {snapshot}: 1 of 2 epochs done" in resumed.stdout, resumed.describe()
+    assert f"resumed from {snapshot}: 1/2 epochs done" in resumed.stdout, resumed.describe()
     assert [int(e["epoch"]) for e in resumed.epochs()] == [2], resumed.describe()
     # Epoch 2 again, as the crashed attempt trained it, to the printed digit: the weights and
     # momentum of epoch 1, the schedule and the random crops all came back.
@@ -258,7 +258,7 @@ def test_step_snapshot_resumes_at_the_step_it_left_off(tmp_path: Path) -> None:
     crashed, resumed = runs
     assert crashed.returncode == -9, f"the probe kills at the sixth rename\n{crashed.describe()}"
     assert [int(e["train_samples"]) for e in crashed.epochs()] == [4 * 16], crashed.describe()
-    said = f"resumed from {snapshot}: 1 of 2 epochs, 1 steps done"
+    said = f"resumed from {snapshot}: 1/2 epochs, 1 steps done"
     assert resumed.returncode == 0 and said in resumed.stdout, resumed.describe()
     assert [(int(e["epoch"]), int(e["train_samples"])) for e in resumed.epochs()] == [(2, 3 * 16)]
     # The loader's place came back: the resumed run draws the batch the crashed one drew second
@@ -478,9 +478,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     results = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("CASE ")]
     assert len(results) == len(cases) + 1, run.describe()
     assert results.pop()["code"] == 0, run.describe()
-    said = (
-        f"resumed from {finished}: 3 of 3 epochs done: nothing to train (remove it or name another)"
-    )
+    said = f"resumed from {finished}: 3/3 epochs done: nothing to train (remove it or name another)"
     assert [line for line in run.stdout.splitlines() if "resumed" in line] == [said], run.describe()
     assert "epoch 1/3" not in run.stdout and "epoch 3/3" not in run.stdout, run.describe()
     for (script, args, expected), result in zip(cases, results, strict=True):
@@ -560,7 +558,7 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     # Refused runs leave the snapshot as it was; the run after the crash found its own
     # (finished) snapshot, and the half file is gone.
     assert {r["digest"] for r in results} == {first["digest"]}, results
-    resumed = f"resumed from {snapshot}: 1 of 1 epochs, 0 steps done: nothing to train"
+    resumed = f"resumed from {snapshot}: 1/1 epochs, 0 steps done: nothing to train"
     assert after_crash["code"] == 0 and resumed in run.stdout, run.describe()
     assert "s.pt.tmp" not in after_crash["files"] and not tmp.exists(), after_crash["files"]
     # Another world size, and random bytes, at once: both ranks of a torchrun stop, each in
@@ -616,9 +614,9 @@ def test_a_wrong_argument_under_torchrun_is_said_once() -> None:
     run = launch(command, timeout=LAUNCH_TIMEOUT, check=False)
     output = run.stdout + run.stderr
     errors = [line for line in output.splitlines() if line.startswith("train.py: error: ")]
-    assert errors == [
-        "train.py: error: --epochs, --batch-size and --fake-size must be 1 or more"
-    ], run.describe()
+    assert errors == ["train.py: error: --epochs, --batch-size and --fake-size must be positive"], (
+        run.describe()
+    )
     assert run.returncode != 0 and "ChildFailedError" in output, run.describe()
 
 

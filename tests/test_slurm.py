@@ -502,7 +502,7 @@ def test_two_jobs_from_one_directory_keep_their_files_and_a_requeued_one_resumes
         f"job {requeued.id}: start 1 on",
         f"job {requeued.id}: time limit near: requeueing, to resume from runs/{requeued.id}/",
         f"job {requeued.id}: start 2 on",
-        f"resumed from runs/{requeued.id}/snapshot.pt: 0 of 1 epochs, {PAUSE_AT[2]} steps done",
+        f"resumed from runs/{requeued.id}/snapshot.pt: 0/1 epochs, {PAUSE_AT[2]} steps done",
     ]
     assert all(line in log for line in said), log
     assert [log.index(line) for line in said] == sorted(log.index(line) for line in said), log

@@ -2,30 +2,29 @@
 
 Part A: after `loss.backward()`, divide every `.grad` by the world size, then
 all-reduce it (SUM). That is what DDP does to gradients by default (it overlaps
-it with the backward pass, in buckets, and divides while it copies each gradient
-into its bucket), so a model trained this way stays equal to a DDP model trained
-on the same data. The order matters in float16: a sum of N gradients can
-overflow (float16's largest value is 65504) where the sum of N gradients already
-divided by N does not. The reducer does the division first "to avoid overflow,
-especially for FP16", in the words of DDP's default hook
-(torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py, torch 2.15;
-the experiments' README links it).
-Part A shows it with one float16 gradient of 40000 on every rank: DDP and
-divide-then-sum give 40000; sum-then-divide and gloo's `ReduceOp.AVG` (a SUM,
-then a division) give inf.
+it with the backward pass, in buckets, and divides while it copies each
+gradient into its bucket), so a model trained this way stays equal to a DDP
+model trained on the same data. The order matters in float16: a sum of N
+gradients can overflow (float16's largest value is 65504) where the sum of N
+gradients already divided by N does not. The reducer does the division first
+"to avoid overflow, especially for FP16", in the words of DDP's default hook
+(torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py, torch 2.15; the
+experiments' README links it). Part A shows it with one float16 gradient of
+40000 on every rank: DDP and divide-then-sum give 40000; sum-then-divide and
+gloo's `ReduceOp.AVG` (a SUM, then a division) give inf.
 
 Part B: all-reduce itself, written twice with point-to-point messages:
 - naive: every rank sends its tensor to rank 0, rank 0 sums and broadcasts the
   result. Rank 0 receives (N - 1) full tensors: its link is the bottleneck as N
   grows.
 - ring: the ranks form a ring and pass 1/N-sized chunks to their right-hand
-  neighbour. N - 1 steps of reduce-scatter leave each rank with one fully summed
-  chunk; N - 1 steps of all-gather pass the summed chunks round. Every rank
-  sends 2 (N - 1) / N of the tensor, whatever N is: the reason rings scale
-  (gloo's default all-reduce is a ring; NCCL picks among rings, trees and, where
-  the hardware has them, NVLS and CollNet; its PAT algorithm serves all-gather
-  and reduce-scatter, not all-reduce).
-Both are checked against `dist.all_reduce` and timed over message sizes.
+  neighbour. N - 1 steps of reduce-scatter leave each rank with one fully
+  summed chunk; N - 1 steps of all-gather pass the summed chunks round. Every
+  rank sends 2 (N - 1) / N of the tensor, whatever N is: the reason rings scale
+  (gloo's default all-reduce is a ring; NCCL picks among rings, trees and,
+  where the hardware has them, NVLS and CollNet; its PAT algorithm serves
+  all-gather and reduce-scatter, not all-reduce). Both are checked against
+  `dist.all_reduce` and timed over message sizes.
 
     python part3_ddp/experiments/allreduce_by_hand.py
     python part3_ddp/experiments/allreduce_by_hand.py --nprocs 4 \
@@ -116,7 +115,7 @@ def setup_process_group(rank: int, world_size: int) -> None:
     )
 
 
-# ---- Part A: gradient averaging by hand equals DDP ---------------------------
+# ---- Part A: gradient averaging by hand equals DDP --------------------------
 
 
 def average_gradients(model: nn.Module) -> None:
@@ -179,7 +178,7 @@ def fp16_order(grad: float = 40000.0) -> dict[str, float]:
     return results
 
 
-# ---- Part B: all-reduce from send/recv ---------------------------------------
+# ---- Part B: all-reduce from send/recv --------------------------------------
 
 
 def naive_all_reduce(tensor: torch.Tensor) -> None:
@@ -286,7 +285,9 @@ def benchmark(rank: int, sizes: list[int], repeats: int) -> None:
         }
         if rank == 0:
             nbytes = numel * tensor.element_size()
-            times = " ".join(f"{name}_ms={ms[name]:.3f}" for name in ALGORITHMS)
+            times = " ".join(
+                f"{name}_ms={ms[name]:.3f}" for name in ALGORITHMS
+            )
             # "Algorithm bandwidth": message size / time, in MB/s (1 MB = 1e6
             # bytes).
             rates = " ".join(
@@ -317,13 +318,13 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
-    # fresh Python and imports torch again (seconds). "fork" copies this
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts
+    # a fresh Python and imports torch again (seconds). "fork" copies this
     # process, imports included: at once, and safe here because nothing touched
     # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by
-        # the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared
+        # by the children.
         import torch._dynamo
     mp.start_processes(
         worker,

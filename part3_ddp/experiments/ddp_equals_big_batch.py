@@ -1,4 +1,4 @@
-"""DDP on N ranks with batch B is one process with batch N x B, until BatchNorm.
+"""DDP on N ranks with batch B is one process with batch N x B (not BatchNorm).
 
 Each rank computes the mean-loss gradient of its B samples; DDP averages those
 gradients over the ranks, which is the mean-loss gradient of all N x B samples.
@@ -7,11 +7,11 @@ any number of steps the weights equal those of one process that trained on the
 concatenated batch: bit for bit in exact arithmetic, to ~1e-16 in float64 (sums
 in another order), to ~1e-8 in float32 with a small learning rate.
 
-BatchNorm breaks this: in training mode it normalises with the mean and variance
-of the batch it sees, which under DDP is each rank's B samples, not the N x B
-batch. SyncBatchNorm computes those statistics over all ranks and restores the
-equality, but PyTorch implements it for GPU modules only: on CPU, running it
-under DDP raises the error printed below.
+BatchNorm breaks this: in training mode it normalises with the mean and
+variance of the batch it sees, which under DDP is each rank's B samples, not
+the N x B batch. SyncBatchNorm computes those statistics over all ranks and
+restores the equality, but PyTorch implements it for GPU modules only: on CPU,
+running it under DDP raises the error printed below.
 
     python part3_ddp/experiments/ddp_equals_big_batch.py
     python part3_ddp/experiments/ddp_equals_big_batch.py --nprocs 3 --steps 10
@@ -181,13 +181,13 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
-    # fresh Python and imports torch again (seconds). "fork" copies this
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts
+    # a fresh Python and imports torch again (seconds). "fork" copies this
     # process, imports included: at once, and safe here because nothing touched
     # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by
-        # the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared
+        # by the children.
         import torch._dynamo
     mp.start_processes(
         worker,

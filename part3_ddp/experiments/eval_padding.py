@@ -63,7 +63,9 @@ def parse_args() -> argparse.Namespace:
         help="fork: children inherit the imported torch and start at once"
         " (CPU only)",
     )
-    parser.add_argument("--size", type=int, default=10_000, help="test samples")
+    parser.add_argument(
+        "--size", type=int, default=10_000, help="test samples"
+    )
     parser.add_argument(
         "--batch-size", type=int, default=500, help="per process"
     )
@@ -102,8 +104,8 @@ class StridedSampler(Sampler[int]):
     once, no padding.
 
     Shards may differ in length by one. That is fine for evaluation (no
-    gradients to all-reduce, so no rank waits for another), but not for training
-    with DDP.
+    gradients to all-reduce, so no rank waits for another), but not for
+    training with DDP.
     """
 
     def __init__(self, size: int, rank: int, world_size: int) -> None:
@@ -179,8 +181,8 @@ def compare(
             shard.tolist() for shard in shards
         ):
             log(
-                f"shard sampler={name} rank={r} correct={correct} total={total}"
-                f" acc={100 * correct / total:.4f}%"
+                f"shard sampler={name} rank={r} correct={correct}"
+                f" total={total} acc={100 * correct / total:.4f}%"
             )
         correct, total = summed.tolist()
         log(
@@ -230,13 +232,13 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
-    # fresh Python and imports torch again (seconds). "fork" copies this
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts
+    # a fresh Python and imports torch again (seconds). "fork" copies this
     # process, imports included: at once, and safe here because nothing touched
     # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by
-        # the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared
+        # by the children.
         import torch._dynamo
     mp.start_processes(
         worker,

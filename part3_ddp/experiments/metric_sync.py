@@ -3,16 +3,17 @@
 Every rank computes its loss and accuracy on its own shard of the batch; those
 numbers describe one rank, not the model. To report the model's numbers:
 
-- average a scalar with `all_reduce(op=ReduceOp.AVG)`, or with `all_reduce(SUM)`
-  and a division by the world size. NCCL has AVG since NCCL 2.10; gloo since
-  March 2025 (https://github.com/pytorch/pytorch/pull/149781; both are shown
-  here, with torch 2.15). `dist.reduce` to rank 0 with SUM leaves the *sum* on
-  rank 0 (world size times too large), and leaves the other ranks' tensors
-  undefined: reduce a copy, never the tensor you need.
-- gather per-sample results (here: was the prediction right?) with `all_gather`,
-  then count over the concatenation. gloo's all_gather needs the same shape on
-  every rank (ProcessGroupGloo::allgather: invalid tensor size); all_gather's
-  docstring says uneven sizes are supported, as NCCL's are (torch 2.15).
+- average a scalar with `all_reduce(op=ReduceOp.AVG)`, or with
+  `all_reduce(SUM)` and a division by the world size. NCCL has AVG since NCCL
+  2.10; gloo since March 2025 (https://github.com/pytorch/pytorch/pull/149781;
+  both are shown here, with torch 2.15). `dist.reduce` to rank 0 with SUM
+  leaves the *sum* on rank 0 (world size times too large), and leaves the other
+  ranks' tensors undefined: reduce a copy, never the tensor you need.
+- gather per-sample results (here: was the prediction right?) with
+  `all_gather`, then count over the concatenation. gloo's all_gather needs the
+  same shape on every rank (ProcessGroupGloo::allgather: invalid tensor size);
+  all_gather's docstring says uneven sizes are supported, as NCCL's are (torch
+  2.15).
 - print on the primary rank only: one line per step, not one per rank.
 
     python part3_ddp/experiments/metric_sync.py
@@ -25,7 +26,8 @@ Evidence lines (all from rank 0):
         what rank 0 holds after dist.reduce
     average step=0 all_reduce_then_divide=1.391299 all_reduce_avg=1.391299
         every rank
-    accuracy step=0 gathered=64 correct=16 acc=25.00%   predictions of all ranks
+    accuracy step=0 gathered=64 correct=16 acc=25.00%
+        predictions of all ranks
 """
 
 import argparse
@@ -179,13 +181,13 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
-    # fresh Python and imports torch again (seconds). "fork" copies this
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts
+    # a fresh Python and imports torch again (seconds). "fork" copies this
     # process, imports included: at once, and safe here because nothing touched
     # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by
-        # the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared
+        # by the children.
         import torch._dynamo
     mp.start_processes(
         worker,

@@ -62,7 +62,10 @@ def parse_args() -> argparse.Namespace:
         " (CPU only)",
     )
     parser.add_argument(
-        "--accumulate", type=int, default=4, help="micro-batches per update (K)"
+        "--accumulate",
+        type=int,
+        default=4,
+        help="micro-batches per update (K)",
     )
     parser.add_argument(
         "--updates", type=int, default=3, help="optimizer steps"
@@ -178,13 +181,13 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
-    # fresh Python and imports torch again (seconds). "fork" copies this
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts
+    # a fresh Python and imports torch again (seconds). "fork" copies this
     # process, imports included: at once, and safe here because nothing touched
     # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by
-        # the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared
+        # by the children.
         import torch._dynamo
     mp.start_processes(
         worker,

@@ -11,16 +11,16 @@ ranks, not only within one.
 
 Part 2, the training. DDP averages the gradients of all ranks, so which rank
 holds a sample does not matter; what `set_epoch` changes is the sequence of
-global batches, which without it is the same every epoch. A linear classifier on
-a noisy 10-class problem is trained both ways, twice: with full epochs, and with
-every epoch cut short after `--max-steps` steps (a step budget, like the
+global batches, which without it is the same every epoch. A linear classifier
+on a noisy 10-class problem is trained both ways, twice: with full epochs, and
+with every epoch cut short after `--max-steps` steps (a step budget, like the
 course's `--max-steps`). Cut short, an epoch without `set_epoch` draws the same
 first batches again: the model never sees more than those samples, and it shows
 in the test accuracy. With full epochs every sample is seen either way and the
 two runs end close to each other: the repeated order costs little here.
 
-    python part3_ddp/experiments/shuffling.py
-    python part3_ddp/experiments/shuffling.py --nprocs 3 --size 24 --max-steps 8
+  python part3_ddp/experiments/shuffling.py
+  python part3_ddp/experiments/shuffling.py --nprocs 3 --size 24 --max-steps 8
 
 Evidence lines (parsed by tests/test_inside_ddp.py):
     indices set_epoch=off epoch=0 rank=0 3,1,...
@@ -82,7 +82,10 @@ def parse_args() -> argparse.Namespace:
         "--batch-size", type=int, default=16, help="part 2: per process"
     )
     parser.add_argument(
-        "--max-steps", type=int, default=4, help="part 2: steps per short epoch"
+        "--max-steps",
+        type=int,
+        default=4,
+        help="part 2: steps per short epoch",
     )
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
@@ -115,7 +118,7 @@ def setup_process_group(rank: int, world_size: int) -> None:
     )
 
 
-# ---- Part 1: the data order --------------------------------------------------
+# ---- Part 1: the data order -------------------------------------------------
 
 
 def draw_indices(
@@ -138,13 +141,15 @@ def draw_indices(
 
 
 def report_indices(per_rank: list[list[list[int]]], flag: str) -> None:
-    """What every rank drew, then how many samples each rank got that it had not
-    had before."""
+    """What every rank drew, then how many samples each rank got that it had
+    not had before."""
     epochs = range(len(per_rank[0]))
     for epoch in epochs:
         for rank, drawn in enumerate(per_rank):
             indices = ",".join(map(str, drawn[epoch]))
-            log(f"indices set_epoch={flag} epoch={epoch} rank={rank} {indices}")
+            log(
+                f"indices set_epoch={flag} epoch={epoch} rank={rank} {indices}"
+            )
     for epoch in epochs[1:]:
         for rank, drawn in enumerate(per_rank):
             new = len(set(drawn[epoch]) - set(drawn[epoch - 1]))
@@ -154,7 +159,7 @@ def report_indices(per_rank: list[list[list[int]]], flag: str) -> None:
             )
 
 
-# ---- Part 2: the training ----------------------------------------------------
+# ---- Part 2: the training ---------------------------------------------------
 
 
 def gaussian_classes(size: int, seed: int) -> TensorDataset:
@@ -228,7 +233,9 @@ def train(
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     setup_process_group(rank, world_size)
     for flag in ("off", "on"):
-        mine = draw_indices(rank, world_size, args, call_set_epoch=flag == "on")
+        mine = draw_indices(
+            rank, world_size, args, call_set_epoch=flag == "on"
+        )
         everyone = [None] * world_size
         # Rank 0 prints for all: one ordered output.
         dist.all_gather_object(everyone, mine)
@@ -244,13 +251,13 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts a
-    # fresh Python and imports torch again (seconds). "fork" copies this
+    # mp.spawn(worker, ...) is start_processes with "spawn": each child starts
+    # a fresh Python and imports torch again (seconds). "fork" copies this
     # process, imports included: at once, and safe here because nothing touched
     # CUDA or started threads yet. With GPUs, keep spawn.
     if args.start_method == "fork":
-        # DDP imports torch._dynamo on first use (seconds): once here, shared by
-        # the children.
+        # DDP imports torch._dynamo on first use (seconds): once here, shared
+        # by the children.
         import torch._dynamo
     mp.start_processes(
         worker,

@@ -137,8 +137,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     same, like_rank0 = all_equal(state(model.module))
     scores_same, _ = all_equal(scores)
     report += (
-        f"\nfirst_eval_forward buffers_equal={same} equal_to_rank0={like_rank0}"
-        f" scores_equal={scores_same}"
+        f"\nfirst_eval_forward buffers_equal={same}"
+        f" equal_to_rank0={like_rank0} scores_equal={scores_same}"
     )
 
     # Later no_grad forwards copy nothing: mark this rank's buffers, run a
@@ -156,7 +156,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     dist.all_gather(gathered, counts)
     same, _ = all_equal(state(model.module))
     per_rank = ",".join(str(int(c)) for c in gathered)
-    report += f"\nlater_eval_forwards per_rank={per_rank} buffers_copied={same}"
+    report += (
+        f"\nlater_eval_forwards per_rank={per_rank} buffers_copied={same}"
+    )
 
     # Training forwards after them: the first follows a no_grad forward and
     # copies nothing; the second follows a training forward and copies rank

@@ -2,8 +2,8 @@
 place.
 
 The training file (train.py next to this) calls these functions and never
-touches torch.distributed itself. Each helper does the right thing in a world of
-one process too, so the same training file runs with 1 or N processes.
+touches torch.distributed itself. Each helper does the right thing in a world
+of one process too, so the same training file runs with 1 or N processes.
 """
 
 from __future__ import annotations

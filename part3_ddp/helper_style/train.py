@@ -2,8 +2,9 @@
 distributed parts.
 
 Compare with part3_ddp/step5_checkpoint.py, where every distributed line is
-visible in the training script. Here the training loop reads like single-process
-code; the price is that the distributed behaviour lives in another file.
+visible in the training script. Here the training loop reads like
+single-process code; the price is that the distributed behaviour lives in
+another file.
 
     python part3_ddp/helper_style/train.py --nprocs 1
     python part3_ddp/helper_style/train.py --nprocs 2

@@ -57,7 +57,9 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = build_model(args).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    variants = [(mb, overlap) for mb in args.sizes for overlap in (False, True)]
+    variants = [
+        (mb, overlap) for mb in args.sizes for overlap in (False, True)
+    ]
     seconds = {variant: [] for variant in [*variants, None]}
     counts = {}
     # Step 0 warms up (memory, threads) and is not counted. Every other step

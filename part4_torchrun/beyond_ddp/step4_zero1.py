@@ -278,7 +278,9 @@ def main(args: argparse.Namespace) -> None:
     dist.all_gather_object(ranks, mine)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        log(f"model params={params} world_size={world_size} steps={args.steps}")
+        log(
+            f"model params={params} world_size={world_size} steps={args.steps}"
+        )
         sizes = message_bytes(by_hand), message_bytes(ddp)
         log(f"buckets by_hand={sizes[0]} ddp={sizes[1]}")
         log(f"by_hand sha={mine[0]} loss={loss.item() / world_size:.4f}")

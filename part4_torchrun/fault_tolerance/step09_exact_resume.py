@@ -1,4 +1,4 @@
-"""A step of a PyTorch DDP course: train an image classifier. See its README."""
+"""A step of a PyTorch DDP course: train an image classifier (see README)."""
 
 import argparse
 import os
@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     # Bad input, or a folder it cannot write to, ends here in one line.
     if min(args.epochs, args.batch_size, args.fake_size) < 1:
-        parser.error("--epochs, --batch-size and --fake-size must be 1 or more")
+        parser.error("--epochs, --batch-size and --fake-size must be positive")
     if args.snapshot_every < 1:  # step 8
         parser.error("--snapshot-every must be 1 or more")
     if not timm.is_model(args.model):
@@ -105,24 +105,24 @@ def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
         test = cifar10(args.data_dir, False, test_tf, download=download)
     except (OSError, RuntimeError) as error:
         # Offline (a URLError is an OSError), or files missing or damaged.
-        where = os.path.abspath(args.data_dir)
-        sys.exit(f"error: no CIFAR-10 in {where} ({error}); try --dataset fake")
+        path = os.path.abspath(args.data_dir)
+        sys.exit(f"error: no CIFAR-10 in {path} ({error}); try --dataset fake")
     return train, test
 
 
 def build_model(name: str) -> torch.nn.Module:
-    # An ImageNet model from timm with 10 outputs. Its stem shrinks 32x32 images
+    # An ImageNet model from timm, 10 outputs. Its stem shrinks 32x32 images
     # 4x at once: fast, less accurate than a CIFAR-specific stem would be.
     return timm.create_model(name, num_classes=10)
 
 
 # step 8: `steps` numbers the steps left of the epoch; `save` snapshots
-def train_one_epoch(model, loader, optimizer, device, steps, show_bar, save):
+def train_one_epoch(model, loader, optimizer, device, steps, verbose, save):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # disable=None: a progress bar on a terminal only, never in a job's log file
-    bar = tqdm(steps, leave=False, disable=None if show_bar else True)
+    # disable=None: a progress bar on a terminal only, never in a job's log
+    bar = tqdm(steps, leave=False, disable=None if verbose else True)
     for step, (images, labels) in zip(bar, loader, strict=False):  # step 8
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
@@ -130,7 +130,7 @@ def train_one_epoch(model, loader, optimizer, device, steps, show_bar, save):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        # Sums stay on the device: .item() would wait for the GPU at every step.
+        # Sums stay on the device: .item() would wait for the GPU every step.
         totals[0] += loss.detach() * len(labels)
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -141,7 +141,7 @@ def train_one_epoch(model, loader, optimizer, device, steps, show_bar, save):
 
 @torch.no_grad()
 def evaluate(model, loader, device, max_steps: int):
-    """(correct predictions, images) as one tensor on `device`; 0 steps: all."""
+    """(correct predictions, images), one tensor on `device`; 0 steps: all."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for images, labels in islice(loader, max_steps or None):
@@ -205,16 +205,19 @@ def main(args: argparse.Namespace) -> None:  # step 6
     cuda = f"cuda:{local_rank}"
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
-    log(f"rank {rank}/{world_size} device={device} threads={threads}")  # step 1
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")
     if rank == 0:  # step 1: rank 0 downloads; the others wait at the barrier
         build_datasets(args, download=True)
     dist.barrier()
     train_set, test_set = build_datasets(args, download=False)
-    # step 3: each rank trains on its shard and scores every world_size-th image
+    # step 3: each rank trains on its shard, scores every world_size-th image
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train_loader = StatefulDataLoader(  # step 8: its place; 9: its own RNG
-        train_set, args.batch_size, sampler=sampler, generator=torch.Generator()
+        train_set,
+        args.batch_size,
+        sampler=sampler,
+        generator=torch.Generator(),
     )
     test_loader = DataLoader(test_set, args.batch_size)
 
@@ -241,7 +244,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
                 obj.load_state_dict(saved[name])
     start_epoch = scheduler.last_epoch  # step 7: it counts the epochs done
     if os.path.exists(args.snapshot) and rank == 0:
-        done = f"{start_epoch} of {args.epochs} epochs, {first_step} steps done"
+        done = f"{start_epoch}/{args.epochs} epochs, {first_step} steps done"
         if start_epoch == args.epochs:  # step 7: a finished run's snapshot
             done += ": nothing to train (remove it or name another)"
         log(f"resumed from {args.snapshot}: {done}")
@@ -257,11 +260,11 @@ def main(args: argparse.Namespace) -> None:  # step 6
         if first_step:  # step 9: resumed mid-epoch: this rank's RNG, as saved
             torch.set_rng_state(saved["rng"][rank])
         start = time.perf_counter()
-        show_bar = rank == 0  # step 1: rank 0 alone draws a progress bar
+        verbose = rank == 0  # step 1: rank 0 alone draws a progress bar
         # step 8: the steps left of this epoch; the next epoch starts at 0
         steps, first_step = range(first_step, per_epoch), 0
         totals = train_one_epoch(
-            model, train_loader, optimizer, device, steps, show_bar, save
+            model, train_loader, optimizer, device, steps, verbose, save
         )
         dist.all_reduce(totals)  # step 3: add up the counts of all ranks
         # .tolist() waits until the device ends the epoch: then read the clock.

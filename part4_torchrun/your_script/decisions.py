@@ -36,7 +36,10 @@ def parse_args() -> argparse.Namespace:
         "--stop-below", type=float, default=0.0, help="val loss; 0: off"
     )
     parser.add_argument(
-        "--interrupt-at", type=int, default=0, help="SIGINT to rank 1 at step N"
+        "--interrupt-at",
+        type=int,
+        default=0,
+        help="SIGINT to rank 1 at step N",
     )
     parser.add_argument(
         "--check-every", type=int, default=0, help="steps; 0: no check"

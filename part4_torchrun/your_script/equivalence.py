@@ -191,7 +191,9 @@ def original_batches(args, dtype, world_size: int):
         # out at that step, together: the DDP run's global batch
         share = args.batch_size // world_size
         ranks = range(world_size)
-        parts = [rank_batches(args, dtype, r, world_size, share) for r in ranks]
+        parts = [
+            rank_batches(args, dtype, r, world_size, share) for r in ranks
+        ]
         for batches in zip(*parts, strict=True):
             x, y, ids = zip(*batches, strict=True)
             yield torch.cat(x), torch.cat(y), torch.cat(ids)

@@ -40,7 +40,9 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     if min(args.records, args.batch_size) < 1 or args.workers < 0:
-        parser.error("--records, --batch-size: 1 or more; --workers: 0 or more")
+        parser.error(
+            "--records, --batch-size: 1 or more; --workers: 0 or more"
+        )
     return args
 
 

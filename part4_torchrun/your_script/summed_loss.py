@@ -31,7 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--fix", action="store_true", help="multiply the loss by the world size"
+        "--fix",
+        action="store_true",
+        help="multiply the loss by the world size",
     )
     parser.add_argument(
         "--batch-size", type=int, default=32, help="B: the global batch"
@@ -180,7 +182,8 @@ def main(args: argparse.Namespace) -> None:
         pairs = zip(model.parameters(), original.parameters(), strict=True)
         weights = max(largest_difference(p, q) for p, q in pairs)
         log(
-            f"grad_norm_ddp={norm_ddp:.6g} grad_norm_one_process={norm_one:.6g}"
+            f"grad_norm_ddp={norm_ddp:.6g}"
+            f" grad_norm_one_process={norm_one:.6g}"
         )
         log(f"max_abs_weight_diff={weights:.3g}")
 

@@ -111,7 +111,9 @@ def shard(stream: torch.Tensor, columns: int, fix: bool) -> torch.Tensor:
     # --fix: batchify the whole stream once, then a block of its columns
     # each: whole streams, and every rank the same rows, so the same steps.
     per_rank = columns // world_size
-    mine = batchify(stream, columns)[:, rank * per_rank : (rank + 1) * per_rank]
+    mine = batchify(stream, columns)[
+        :, rank * per_rank : (rank + 1) * per_rank
+    ]
     # A column slice is a view with the whole tensor's strides: copy it, or
     # get_batch's .view(-1) fails ("view size is not compatible").
     return mine.contiguous()
@@ -138,7 +140,9 @@ def main(args: argparse.Namespace) -> None:
     for name in ("batch_size", "eval_columns"):
         if getattr(args, name) % world_size:
             flag = "--" + name.replace("_", "-")
-            sys.exit(f"error: {flag} must split evenly into {world_size} ranks")
+            sys.exit(
+                f"error: {flag} must split evenly into {world_size} ranks"
+            )
     # The same stream on every rank; each takes its part below.
     g = torch.Generator().manual_seed(args.seed)
     train_stream, val_stream = make_stream(16384, g), make_stream(4096, g)
@@ -173,9 +177,13 @@ def main(args: argparse.Namespace) -> None:
         if rank == 0:
             # For comparison: one process scores the whole stream, unsplit.
             whole = loss_sums(
-                model.module, batchify(val_stream, args.eval_columns), args.bptt
+                model.module,
+                batchify(val_stream, args.eval_columns),
+                args.bptt,
             )
-            log(f"epoch {epoch} one_process_val_loss={whole[0] / whole[1]:.6f}")
+            log(
+                f"epoch {epoch} one_process_val_loss={whole[0] / whole[1]:.6f}"
+            )
     dist.destroy_process_group()
 
 
