@@ -194,6 +194,10 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
+    # step 2: each rank prints the norm of its model's weights: all the same
+    weights = [p.double() for p in model.parameters()]  # 12 digits: float64
+    norm = torch.nn.utils.get_total_norm(weights)
+    log(f"rank {rank}/{world_size} weights' norm {norm.item():.12g}")
     if args.checkpoint and rank == 0:  # step 1: one writer
         save_checkpoint(model, args.checkpoint)
     dist.destroy_process_group()  # step 1

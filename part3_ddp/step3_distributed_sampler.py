@@ -174,6 +174,12 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, args.batch_size)
+    # step 3: the shards, gathered: how many of this rank's another rank has
+    shards = [None] * world_size
+    dist.all_gather_object(shards, set(sampler))
+    mine = shards.pop(rank)
+    shared = len(mine & set().union(*shards))
+    log(f"rank {rank}/{world_size} shard={len(sampler)} shared={shared}")
 
     model = build_model(args.model).to(device)
     # step 2: DDP copies rank 0's weights to all ranks, then averages gradients
@@ -207,6 +213,10 @@ def main(rank: int, world_size: int, args: argparse.Namespace):  # step 1
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
+    # step 2: each rank prints the norm of its model's weights: all the same
+    weights = [p.double() for p in model.parameters()]  # 12 digits: float64
+    norm = torch.nn.utils.get_total_norm(weights)
+    log(f"rank {rank}/{world_size} weights' norm {norm.item():.12g}")
     if args.checkpoint and rank == 0:  # step 1: one writer
         save_checkpoint(model, args.checkpoint)
     dist.destroy_process_group()  # step 1

@@ -16,7 +16,10 @@ from enum import Enum
 CEILING, CEILINGS = 30, {"1": 40, "6": 35, "8": 40}
 # Lines per script: the spine, then the steps that build on part 4. At 79 columns
 # (MAX_WIDTH), so that no line wraps on a terminal, a projector or in `diff -y` of two steps.
-SPINE_LINES, AFTER_SPINE_LINES = 240, 300
+# LESSON_LINES: what steps 2, 3, 5 and 6 add so that their quick runs print what they change
+# (the weights' norm, the shards, the checkpoint's keys, the launcher's variables); every later
+# script carries them, so each limit from step 2 on counts them on top of its own.
+SPINE_LINES, AFTER_SPINE_LINES, LESSON_LINES = 240, 300, 12
 MAX_WIDTH = 79
 
 
@@ -42,6 +45,11 @@ class Claim(Enum):
     RELEASED = "every process releases its group before it exits"
     OMP_KEPT = "under torchrun each worker keeps OMP_NUM_THREADS=1"
     ALONE = "under plain python the script is a world of one"
+    # The lesson lines (LESSON_LINES): each step's quick run prints what it changed.
+    SAME_NORM = "each rank prints its trained weights' norm: the same number on every rank"
+    SHARD_LINE = "each rank prints the size of its shard, and that no other rank has its images"
+    KEYS_LINE = "the checkpoint's first keys print, without 'module.'"
+    LAUNCHER_LINE = "each worker prints the variables its launcher set, torchrun's over Slurm's"
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class Step:
     # Most changed code lines (added + removed, the module docstring apart): the measured size
     # of each diff, a ceiling to lower, raised only for a change the step itself needs.
     budget: int = 0
-    max_lines: int = AFTER_SPINE_LINES
+    max_lines: int = AFTER_SPINE_LINES + LESSON_LINES
     spine: bool = False  # on the way from part 1 to part 4: the tightest budgets
     checks_gpus: bool = False  # refuses more processes per node than GPUs (step 4 on)
     claims: tuple[Claim, ...] = ()
@@ -88,7 +96,7 @@ SNAP2 = f"{FAULTS}/step08_step_snapshot.py"  # resumes mid-epoch
 SNAP3 = f"{FAULTS}/step09_exact_resume.py"  # resumes exactly, mid-epoch
 SNAP4 = f"{FAULTS}/step10_checked_snapshot.py"  # resumes its own run's snapshot only
 SNAP5 = f"{FAULTS}/step11_locked_snapshot.py"  # and one run at a time
-SPINE = {"max_lines": SPINE_LINES, "spine": True}
+SPINE = {"max_lines": SPINE_LINES + LESSON_LINES, "spine": True}
 # What every quick run of the DDP steps shows, from step 1 on.
 IN_A_GROUP = (
     *(Claim.ONE_GROUP, Claim.SAYS_DEVICE, Claim.ONE_WRITER, Claim.RELEASED),
@@ -144,9 +152,12 @@ STEPS = [
         "python",
         "`DDP(model)`: gradients averaged",
         ("DDP(",),
-        4,
+        8,
         **SPINE,
-        claims=(*SPAWNED, Claim.WHOLE_DATA_EACH, Claim.IN_SYNC, Claim.PREFIXED),
+        claims=(
+            *(*SPAWNED, Claim.WHOLE_DATA_EACH, Claim.IN_SYNC, Claim.PREFIXED),
+            Claim.SAME_NORM,
+        ),
     ),
     Step(
         "3",
@@ -159,9 +170,12 @@ STEPS = [
             *("DistributedSampler(", "set_epoch(", "all_reduce(", "Subset("),
             "manual_seed(",
         ),
-        19,
+        25,
         **SPINE,
-        claims=(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
+        claims=(
+            *(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
+            *(Claim.SAME_NORM, Claim.SHARD_LINE),
+        ),
     ),
     Step(
         "4",
@@ -174,7 +188,10 @@ STEPS = [
         20,
         **SPINE,
         checks_gpus=True,
-        claims=(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
+        claims=(
+            *(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.PREFIXED),
+            *(Claim.SAME_NORM, Claim.SHARD_LINE),
+        ),
     ),
     Step(
         "5",
@@ -184,12 +201,12 @@ STEPS = [
         "python",
         "save once, without `module.`",
         ("model.module", "load_state_dict"),
-        6,
+        7,
         **SPINE,
         checks_gpus=True,
         claims=(
             *(*SPAWNED, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC, Claim.NO_PREFIX),
-            Claim.BARE_LOAD,
+            *(Claim.BARE_LOAD, Claim.SAME_NORM, Claim.SHARD_LINE, Claim.KEYS_LINE),
         ),
     ),
     Step(
@@ -200,12 +217,13 @@ STEPS = [
         "torchrun",
         "the launcher says who each process is",
         ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
-        32,
+        33,
         **SPINE,
         checks_gpus=True,
         claims=(
             *(*IN_A_GROUP, Claim.OMP_KEPT, Claim.SHARDS, Claim.OWN_CROPS, Claim.IN_SYNC),
-            *(Claim.NO_PREFIX, Claim.BARE_LOAD, Claim.ALONE),
+            *(Claim.NO_PREFIX, Claim.BARE_LOAD, Claim.ALONE, Claim.SAME_NORM),
+            *(Claim.SHARD_LINE, Claim.KEYS_LINE, Claim.LAUNCHER_LINE),
         ),
     ),
     Step(
@@ -227,7 +245,7 @@ STEPS = [
         "python",
         "channels-last, `model.compile()`",
         ("channels_last", "compile()", "--channels-last", "--compile"),
-        15,
+        16,
         checks_gpus=True,
     ),
     Step(
@@ -238,7 +256,7 @@ STEPS = [
         "python",
         "loader workers, pinned memory, `non_blocking`",
         ("num_workers", "pin_memory", "non_blocking", "--workers"),
-        24,
+        25,
         checks_gpus=True,
     ),
     Step(
@@ -250,8 +268,9 @@ STEPS = [
         "the data on the device: batches gathered, cropped and flipped there",
         ("--device-data", "device_batches(", "augment("),
         30,
-        # speed 3's 289 lines and its own 30
-        max_lines=320,
+        # speed 3's 289 lines and its own 30, and the lesson lines (speed 2's
+        # and 3's one each besides)
+        max_lines=320 + LESSON_LINES + 1,
         checks_gpus=True,
     ),
     Step(
@@ -262,7 +281,7 @@ STEPS = [
         "torchrun",
         "a snapshot every epoch; a restart resumes",
         ("os.replace(", "load_state_dict(", "range(start_epoch"),
-        27,
+        30,
         checks_gpus=True,
     ),
     Step(
@@ -272,8 +291,11 @@ STEPS = [
         "step 8",
         "torchrun",
         "resume mid-epoch: the loader's place, a snapshot every N steps",
-        ("StatefulDataLoader(", "--snapshot-every", "first_step", "verbose, save"),
-        39,
+        (
+            *("StatefulDataLoader(", "--snapshot-every", "first_step", "verbose, save"),
+            "steps done",
+        ),
+        40,
         checks_gpus=True,
     ),
     Step(
@@ -296,8 +318,8 @@ STEPS = [
         "a snapshot that belongs to its run: recorded and checked",
         ("is another run's", "is not a snapshot", "dict, run", "state, run", "def stop("),
         30,
-        # step 9's 290 lines and its own 20
-        max_lines=320,
+        # step 9's 295 lines and its own 20, and the lesson lines
+        max_lines=320 + LESSON_LINES,
         checks_gpus=True,
     ),
     Step(
@@ -309,8 +331,9 @@ STEPS = [
         "one run at a time: a lock, and a refusal that ends the job",
         ("fcntl.flock(", ".tmp", "signal.SIGTERM"),
         15,
-        # the longest script: step 10's 310 lines and its own 15
-        max_lines=330,
+        # the longest script: step 10's 315 lines and its own 15, and the lesson
+        # lines
+        max_lines=330 + LESSON_LINES,
         checks_gpus=True,
     ),
 ]
@@ -363,7 +386,7 @@ BEYOND_STEPS = [
         "by hand 4",
         teaches="ZeRO-1: optimizer state sharded",
         apis=("ZeRO1(", "optimizer_class(mine", "dist.broadcast(param.detach(), src=owner)"),
-        budget=28,
+        budget=26,
         **CHAPTER,
     ),
     Step(
@@ -394,6 +417,16 @@ BEYOND_STEPS = [
         teaches="sharded checkpoints (DCP), resumed on any number of ranks",
         apis=("dcp.save(", "dcp.load(", "--sharded", "--resume", "scheduler.last_epoch"),
         budget=30,
+        **CHAPTER,
+    ),
+    Step(
+        "beyond 8",
+        f"{BEYOND}/step8_drop_in.py",
+        SNAP1,
+        "drop-in",
+        teaches="steps 3 and 4 as drop-ins (by_hand.py) in part 4's training, one flag each",
+        apis=("ByHandDDP(", "ZeRO1(", "consolidate_state_dict(", "--by-hand-ddp", "--zero1"),
+        budget=21,
         **CHAPTER,
     ),
 ]

@@ -1,11 +1,14 @@
 """The course spine (parts 1-4): each script's quick run, under its real launcher on CPU/gloo,
 shows what tests/course_steps.py claims for its step. One launch per script, every claim checked
-on it. Part 2's run is compared with part 1's, and part 4 also runs under plain python."""
+on it. Part 2's run is compared with part 1's, and part 4 also runs under plain python. The lines
+that steps 2, 3, 5 and 6 add to show their lesson (the weights' norm, the shards, the
+checkpoint's keys, the launcher's variables) are checked against what the processes did."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,7 +41,13 @@ OUTPUT_LINE_STARTS = (
     "epoch ",
     "saved checkpoint",
     "checkpoint ",
+    "launcher: ",
 )
+# The lesson lines: each rank's weights' norm (step 2 on), its shard (step 3 on); the
+# checkpoint's keys (step 5 on); what the launcher set (step 6).
+NORM_LINE = re.compile(r"^rank (\d+)/(\d+) weights' norm (\S+)$", re.MULTILINE)
+SHARD_LINE = re.compile(r"^rank (\d+)/(\d+) shard=(\d+) shared=(\d+)$", re.MULTILINE)
+LAUNCHER_LINE = re.compile(r"^launcher: (.*)$", re.MULTILINE)
 # Slurm-looking variables, as when torchrun runs inside srun: torchrun's must win.
 SLURM_LOOKALIKE = {
     "SLURM_PROCID": "3",
@@ -245,6 +254,49 @@ def no_prefix(q: QuickRun) -> None:
     )
 
 
+@check(Claim.SAME_NORM)
+def same_norm(q: QuickRun) -> None:
+    lines = NORM_LINE.findall(q.run.stdout)
+    assert sorted((int(r), int(n)) for r, n, _ in lines) == [
+        (r, WORLD_SIZE) for r in range(WORLD_SIZE)
+    ], f"one norm line per rank: {lines}"
+    assert len({norm for *_, norm in lines}) == 1, f"the ranks printed other norms: {lines}"
+    # the norm of the weights rank 0 trained (the probe's copy; other threads here: rounding)
+    trained = torch.nn.utils.get_total_norm([p.double() for p in trained_params(q)]).item()
+    assert float(lines[0][2]) == pytest.approx(trained, rel=1e-10), (lines, trained)
+
+
+@check(Claim.SHARD_LINE)
+def shard_line(q: QuickRun) -> None:
+    said = {
+        int(r): (int(n), int(size), int(shared))
+        for r, n, size, shared in SHARD_LINE.findall(q.run.stdout)
+    }
+    assert sorted(said) == list(range(WORLD_SIZE)), f"one shard line per rank: {said}"
+    drawn = {rank: q.probe.indices(rank, epoch=0) for rank in range(WORLD_SIZE)}
+    for rank, (world, size, shared) in said.items():
+        others = {i for r, got in drawn.items() if r != rank for i in got}
+        # what the rank trained on in epoch 0 (each rank half the set), and what of it another did
+        assert (world, size) == (WORLD_SIZE, len(drawn[rank])) == (WORLD_SIZE, TRAIN_SAMPLES // 2)
+        assert shared == len(set(drawn[rank]) & others) == 0, f"rank {rank}: {said[rank]}"
+
+
+@check(Claim.KEYS_LINE)
+def keys_line(q: QuickRun) -> None:
+    keys = list(saved_state(q))
+    assert not [k for k in keys[:3] if k.startswith("module.")], keys[:3]
+    said = f"checkpoint keys: {keys[:3]} and {len(keys) - 3} more"
+    assert said in q.run.stdout.splitlines(), f"no line {said!r}"
+
+
+@check(Claim.LAUNCHER_LINE)
+def launcher_line(q: QuickRun) -> None:
+    # torchrun's variables, not the Slurm look-alikes set around it (SLURM_LOOKALIKE)
+    said = sorted(LAUNCHER_LINE.findall(q.run.stdout))
+    world = f"WORLD_SIZE={WORLD_SIZE} LOCAL_WORLD_SIZE={WORLD_SIZE}"
+    assert said == [f"RANK={r} LOCAL_RANK={r} {world}" for r in range(WORLD_SIZE)], said
+
+
 @check(Claim.RELEASED)
 def released(q: QuickRun) -> None:
     q.probe.assert_groups_released()
@@ -255,6 +307,7 @@ def alone(q: QuickRun) -> None:
     single = quick_run(q.step, q.folder / "python", "python")
     assert [(e["rank"], e["world_size"]) for e in single.probe.events("init")] == [(0, 1)]
     assert "rank 0/1 device=cpu" in single.run.stdout
+    assert not LAUNCHER_LINE.search(single.run.stdout), "no launcher, nothing it set"
     one_line_per_epoch(single)
     loads_into_a_bare_model(single)
 

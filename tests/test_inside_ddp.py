@@ -4,10 +4,14 @@ script; the notebooks are executed end to end (slow)."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import math
 import re
+import struct
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from conftest import PYTHON, REPO, TORCHRUN, Probe, Run, free_port, launch
@@ -48,6 +52,27 @@ def records(run: Run, kind: str) -> list[dict[str, str]]:
     return out
 
 
+def drawing(topic: str) -> ModuleType:
+    """The figure's drawing script, part3_ddp/experiments/figures/draw_<topic>.py, imported."""
+    path = REPO / EXPERIMENTS / "figures" / f"draw_{topic}.py"
+    spec = importlib.util.spec_from_file_location(f"draw_{topic}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_figure(module: ModuleType, data: object, path: Path) -> None:
+    """draw() writes a PNG of the house size: 900 px wide at 100 dpi, at most 5.5 in high; the
+    committed one is there too, linked from the pages."""
+    module.draw(data, path)
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    width, height = struct.unpack(">II", header[16:24])
+    assert width == 900 and 200 <= height <= 550, (width, height)
+    committed = REPO / EXPERIMENTS / "figures" / path.name
+    assert committed.exists() and committed.stat().st_size < 150_000, committed
+
+
 def assert_only_lines(run: Run, *kinds: str) -> None:
     """Every line is one of the script's evidence lines: nothing glued, none from a stray rank."""
     for line in run.stdout.splitlines():
@@ -56,7 +81,9 @@ def assert_only_lines(run: Run, *kinds: str) -> None:
         )
 
 
-def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_cut() -> None:
+def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_cut(
+    tmp_path: Path,
+) -> None:
     # Part 1: 2 ranks, 16 integers, 3 epochs. Part 2: 2 ranks x 16 samples per step, 2048
     # training samples, 8 epochs, full or cut after 4 steps.
     run = experiment("shuffling.py")
@@ -109,8 +136,20 @@ def test_shuffling_repeats_without_set_epoch_and_costs_accuracy_when_epochs_are_
     # ... while the training loss is LOWER without set_epoch: it memorises its 128 samples.
     assert float(final["capped", "off"]["loss"]) < float(final["capped", "on"]["loss"])
 
+    # The figure (part 3, step 3 and the experiments): what its caption says, on what it plots.
+    figure = drawing("shuffling")
+    plotted = figure.parse(run.stdout)
+    for flag in ("off", "on"):
+        assert len(plotted[flag]) == 3 and all(len(e) == 2 for e in plotted[flag])
+        for shards in plotted[flag]:
+            assert sorted(shards[0] + shards[1]) == list(range(16)), "disjoint, the whole set"
+    assert all(epoch == plotted["off"][0] for epoch in plotted["off"]), "off: epoch 0 again"
+    for before, after in itertools.pairwise(plotted["on"]):
+        assert set(after[0]) & set(before[1]), "on: samples move from rank 1 to rank 0"
+    assert_figure(figure, plotted, tmp_path / "shuffling.png")
 
-def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact() -> None:
+
+def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact(tmp_path: Path) -> None:
     # 10,000 samples on 3 ranks
     run = experiment("eval_padding.py")
     assert_only_lines(run, "reference", "shard", "global")
@@ -133,6 +172,18 @@ def test_eval_padding_counts_duplicates_and_strided_sampler_is_exact() -> None:
         assert glob[sampler, "torchmetrics_default_macro"]["acc"] != by_hand
     local = {shards["strided", str(k)]["acc"] for k in range(3)}
     assert len(local) > 1, "before the all_reduce each rank has its own, different accuracy"
+
+    # The figure: the padding repeats the first samples at the end of the last ranks' shards.
+    figure = drawing("eval_padding")
+    plotted = figure.parse(run.stdout)
+    padded, strided = plotted["padded"], plotted["strided"]
+    assert padded["twice"] == [0, 1] and strided["twice"] == []
+    assert [s["last"][-1] for s in padded["shards"]] == [9999, 0, 1], "padding: 0 and 1 again"
+    assert [s["first"] for s in strided["shards"]] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    assert [s["total"] for s in strided["shards"]] == [3334, 3333, 3333]
+    assert (padded["total"], strided["total"]) == (10_002, plotted["reference"]["total"])
+    assert strided["acc"] == plotted["reference"]["acc"] != padded["acc"]
+    assert_figure(figure, plotted, tmp_path / "eval_padding.png")
 
 
 def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints() -> None:
@@ -157,16 +208,32 @@ def test_metric_sync_sum_is_not_an_average_and_only_rank0_prints() -> None:
         assert accuracy["acc"] == f"{100 * int(accuracy['correct']) / 64:.2f}%"
 
 
-def test_ddp_equals_one_big_batch_until_batchnorm() -> None:
-    # 2 ranks x 8 vs 1 x 16, 5 SGD steps
+def test_ddp_equals_one_big_batch_until_batchnorm(tmp_path: Path) -> None:
+    # 2 ranks x 8 vs 1 x 16, 5 SGD steps; each line: rank 0's weights against the reference
     run = experiment("ddp_equals_big_batch.py")
     assert_only_lines(run, "compare", "syncbatchnorm")
-    diff = {(r["model"], r["dtype"]): float(r["max_abs_diff"]) for r in records(run, "compare")}
-    assert diff["mlp", "float64"] < 1e-12, "float64: equal up to rounding"
-    assert diff["mlp", "float32"] < 1e-5, "float32 with a small learning rate: equal to ~1e-7"
-    assert diff["mlp_batchnorm", "float64"] > 1e-4, "BatchNorm normalises per rank: not equal"
+    figure = drawing("ddp_equals_big_batch")
+    plotted = figure.parse(run.stdout)
+    diffs = {(r["setup"], r["model"], r["dtype"]): r["diffs"] for r in plotted}
+    equal = {(r["setup"], r["model"], r["dtype"]): r["replicas_equal"] for r in plotted}
+    assert list(diffs) == [
+        ("ddp", "mlp", "float64"),
+        ("ddp", "mlp", "float32"),
+        ("no_sampler", "mlp", "float32"),
+        ("no_wrap", "mlp", "float32"),
+        ("ddp", "mlp_batchnorm", "float32"),
+    ]
+    assert all(len(d) == 5 for d in diffs.values()), "a difference after each of 5 steps"
+    assert max(diffs["ddp", "mlp", "float64"]) < 1e-12, "float64: equal up to rounding"
+    assert max(diffs["ddp", "mlp", "float32"]) < 1e-6, "float32: one rounding (~1e-8)"
+    # the planted mistakes and BatchNorm: another training from the first step on
+    for broken in [("no_sampler", "mlp"), ("no_wrap", "mlp"), ("ddp", "mlp_batchnorm")]:
+        assert min(diffs[(*broken, "float32")]) > 1e-4, f"{broken}: not one big batch"
+    # without the wrap the ranks drift apart; with it they stay equal, even when wrong
+    assert [key[0] for key, same in equal.items() if not same] == ["no_wrap"]
     (sync,) = records(run, "syncbatchnorm")
     assert "error=ValueError" in run.stdout and "GPU" in run.stdout, f"SyncBatchNorm on CPU: {sync}"
+    assert_figure(figure, plotted, tmp_path / "ddp_equals_big_batch.png")
 
 
 def test_allreduce_by_hand_naive_and_ring_equal_dist_all_reduce() -> None:
@@ -369,12 +436,19 @@ def test_notebooks_exist() -> None:
 
 
 def test_when_ddp_copies_rank0s_state() -> None:
-    """DDP copies rank 0's buffers before a forward that follows a training forward, and its
-    weights only when it is built (torch 2.15): what the course's evaluation through the wrapper
-    and its snapshot loading rest on."""
+    """DDP copies rank 0's buffers before the first forward after the wrap and before a forward
+    that follows a forward with gradients, whatever the module's mode; its weights only when it
+    is built (torch 2.15): what the course's evaluation through the wrapper and its snapshot
+    loading rest on."""
     run = experiment("when_ddp_syncs.py")
     kinds = ("trained", "first_eval_forward", "later_eval_forwards", "train_forwards")
-    assert_only_lines(run, *kinds, "load_on_rank0_after_wrap", "load_on_every_rank")
+    assert_only_lines(
+        run, "first_forward_after_wrap", *kinds, "load_on_rank0_after_wrap", "load_on_every_rank"
+    )
+    # each rank marked its buffers after the wrap: the first forward, in eval mode and without
+    # gradients, still copies rank 0's (the constructor sets the flag)
+    (after_wrap,) = records(run, "first_forward_after_wrap")
+    assert after_wrap == {"mode": "eval", "grad": "off", "buffers_copied": "True"}
     trained, first, later, training = (records(run, kind)[0] for kind in kinds)
     # after training each rank's buffers hold its own last batch: the bare models differ
     assert trained == {"buffers_equal": "False", "bare_scores_equal": "False"}

@@ -184,7 +184,8 @@ def test_two_ranks_train_each_image_once_from_the_device_set(
     """torchrun, 2 ranks, --device-data: one epoch line that counts every training image once
     and every test image once. The probe shows where the batches came from: device_batches'
     loader (the third the script builds) gave the ranks disjoint shards of the whole set, and
-    the loader of PIL images (the first) gave none."""
+    the loader of PIL images (the first) gave none. Each rank prints the line of each speed
+    step: its precision, its layout and compile, its loader's workers and pinning."""
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", FAST4, *TINY_RUN]
     command += ["--device-data", "--epochs", "1", "--checkpoint", str(tmp_path / "model.pt")]
     run = launch(command, timeout=LAUNCH_TIMEOUT, probe_dir=probe_dir)
@@ -195,3 +196,13 @@ def test_two_ranks_train_each_image_once_from_the_device_set(
     assert [probe.indices(rank, loader=0) for rank in (0, 1)] == [[], []], "PIL batches"
     shards = [probe.indices(rank, loader=2) for rank in (0, 1)]
     assert sorted(shards[0] + shards[1]) == list(range(TRAIN_SAMPLES)), shards
+    # Each rank says what it trains with, one line per speed step (CPU defaults): the workers
+    # those of the loader that gave its batches, as the probe saw them.
+    (workers,) = {r["workers"] for r in probe.events("batch") if r["loader"] == 2}
+    lines = run.stdout.splitlines()
+    for said in (
+        "autocast=off GradScaler=False",
+        "channels_last=False compile=False",
+        f"workers={workers} pinned=False",
+    ):
+        assert lines.count(said) == 2, f"{said!r} once per rank\n{run.describe()}"

@@ -5,9 +5,16 @@ gradients over the ranks, which is the mean-loss gradient of all N x B samples.
 Every rank then takes the same optimizer step from the same weights. So after
 any number of steps the weights equal those of one process that trained on the
 concatenated batch: bit for bit in exact arithmetic, to ~1e-16 in float64 (sums
-in another order), to ~1e-8 in float32 with a small learning rate.
+in another order), to ~1e-8 in float32 (one rounding of the weights).
 
-BatchNorm breaks this: in training mode it normalises with the mean and
+Two mistakes break it, each planted in a run of its own. No sampler: every
+rank trains on the same B rows, as a DataLoader without DistributedSampler
+gives every rank the same batches; the ranks stay equal, but they take the
+step of one process with batch B. No wrap: each rank its own rows, no DDP;
+each rank steps on its own gradient, and the replicas drift apart. Rank 0
+trains on its own B rows either way, so its weights are the same in both.
+
+BatchNorm breaks it too: in training mode it normalises with the mean and
 variance of the batch it sees, which under DDP is each rank's B samples, not
 the N x B batch. SyncBatchNorm computes those statistics over all ranks and
 restores the equality, but PyTorch implements it for GPU modules only: on CPU,
@@ -17,11 +24,18 @@ running it under DDP raises the error printed below.
     python part3_ddp/experiments/ddp_equals_big_batch.py --nprocs 3 --steps 10
 
 Evidence lines (rank 0 trains the one-process reference itself, on the full
-batch):
-    compare model=mlp dtype=float64 lr=0.1 steps=5 ... max_abs_diff=2.776e-17
-    compare model=mlp dtype=float32 lr=0.01 steps=5 ... max_abs_diff=1.490e-08
-    compare model=mlp_batchnorm dtype=float64 lr=0.1 steps=5 ...
-        max_abs_diff=1.828e-02
+batch; max_abs_diff: the largest difference between rank 0's weights and the
+reference's after each step; replicas_equal: all ranks' weights at the end):
+    compare setup=ddp model=mlp dtype=float64 ... replicas_equal=True
+        max_abs_diff=2.8e-17,2.8e-17,2.8e-17,2.8e-17,5.6e-17
+    compare setup=ddp model=mlp dtype=float32 ... replicas_equal=True
+        max_abs_diff=1.5e-08,1.5e-08,1.5e-08,1.5e-08,1.5e-08
+    compare setup=no_sampler model=mlp dtype=float32 ... replicas_equal=True
+        max_abs_diff=1.3e-02,1.8e-02,2.5e-02,2.1e-02,2.2e-02
+    compare setup=no_wrap model=mlp dtype=float32 ... replicas_equal=False
+        max_abs_diff=1.3e-02,1.8e-02,2.5e-02,2.1e-02,2.2e-02
+    compare setup=ddp model=mlp_batchnorm dtype=float32 ... replicas_equal=True
+        max_abs_diff=5.0e-03,1.2e-02,1.2e-02,1.1e-02,1.1e-02
     syncbatchnorm device=cpu error=ValueError: SyncBatchNorm layers only work
         with GPU modules
 """
@@ -61,6 +75,7 @@ def parse_args() -> argparse.Namespace:
         "--batch-size", type=int, default=8, help="B, per process"
     )
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -120,37 +135,61 @@ def global_batches(
     ]
 
 
-def sgd_steps(model: nn.Module, batches: list, lr: float) -> None:
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def sgd_steps(model: nn.Module, batches: list, lr: float) -> list:
+    """Train; the weights after each step, flat."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    after = []
     for x, y in batches:
         # The mean over the samples this model sees.
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        after.append(flat(model))
+    return after
 
 
 def compare(
-    rank: int, world_size: int, args: argparse.Namespace, kind: str, dtype, lr
+    rank: int,
+    world_size: int,
+    args: argparse.Namespace,
+    kind: str,
+    dtype: torch.dtype,
+    setup: str = "ddp",
 ) -> None:
     batches = global_batches(args, world_size, dtype)
     b = args.batch_size
-    mine = slice(rank * b, (rank + 1) * b)
-    ddp_model = DDP(build_model(kind, dtype, args.seed))
-    sgd_steps(ddp_model, [(x[mine], y[mine]) for x, y in batches], lr)
+    # Each rank its own B rows; the planted mistake "no_sampler": every rank
+    # the first B rows, as every rank gets the same batches without a sampler.
+    first = 0 if setup == "no_sampler" else rank * b
+    mine = slice(first, first + b)
+    model = build_model(kind, dtype, args.seed)
+    # The planted mistake "no_wrap": no DDP, nothing averages the gradients.
+    if setup != "no_wrap":
+        model = DDP(model)
+    steps = sgd_steps(model, [(x[mine], y[mine]) for x, y in batches], args.lr)
+    # Do the ranks hold the same weights at the end?
+    ends = [torch.empty_like(steps[-1]) for _ in range(world_size)]
+    dist.all_gather(ends, steps[-1])
+    equal = all(torch.equal(ends[0], end) for end in ends)
     if rank == 0:
         # One process, batch N x B, no DDP.
         reference = build_model(kind, dtype, args.seed)
-        sgd_steps(reference, batches, lr)
-        pairs = zip(
-            ddp_model.module.parameters(), reference.parameters(), strict=True
-        )
-        diff = max((p - q).abs().max().item() for p, q in pairs)
+        ref_steps = sgd_steps(reference, batches, args.lr)
+        diffs = [
+            f"{(p - q).abs().max().item():.1e}"
+            for p, q in zip(steps, ref_steps, strict=True)
+        ]
         dtype_name = str(dtype).removeprefix("torch.")
         log(
-            f"compare model={kind} dtype={dtype_name} lr={lr}"
-            f" steps={args.steps} ranks={world_size} batch={b}"
-            f" big_batch={world_size * b} max_abs_diff={diff:.3e}"
+            f"compare setup={setup} model={kind} dtype={dtype_name}"
+            f" lr={args.lr} ranks={world_size} batch={b}"
+            f" big_batch={world_size * b} replicas_equal={equal}"
+            f" max_abs_diff={','.join(diffs)}"
         )
 
 
@@ -169,10 +208,11 @@ def try_sync_batchnorm(rank: int) -> None:
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     setup_process_group(rank, world_size)
-    compare(rank, world_size, args, "mlp", torch.float64, lr=0.1)
-    # float32: rounding, kept small by a small learning rate.
-    compare(rank, world_size, args, "mlp", torch.float32, lr=0.01)
-    compare(rank, world_size, args, "mlp_batchnorm", torch.float64, lr=0.1)
+    compare(rank, world_size, args, "mlp", torch.float64)
+    compare(rank, world_size, args, "mlp", torch.float32)
+    compare(rank, world_size, args, "mlp", torch.float32, "no_sampler")
+    compare(rank, world_size, args, "mlp", torch.float32, "no_wrap")
+    compare(rank, world_size, args, "mlp_batchnorm", torch.float32)
     try_sync_batchnorm(rank)
     dist.destroy_process_group()
 

@@ -19,13 +19,15 @@ not correct / total; ask for average="micro" to get the count-based number. And
     python part3_ddp/experiments/eval_padding.py
     python part3_ddp/experiments/eval_padding.py --nprocs 4 --size 10001
 
-Evidence lines:
+Evidence lines (first, last: the first and last samples of a rank's shard;
+twice: the samples counted more than once):
     reference correct=7385 total=10000 acc=73.8500%
         one process, the whole test set
-    shard sampler=padded rank=0 correct=2482 total=3334 acc=74.4451%
+    shard sampler=padded rank=1 correct=2472 total=3334 acc=74.1452%
+        first=1,4,7 last=9994,9997,0
         one rank alone
     global sampler=padded method=all_reduce correct=7385 total=10002
-        acc=73.8352%
+        acc=73.8352% twice=0,1
     global sampler=padded method=torchmetrics_micro acc=73.8352%
     global sampler=padded method=torchmetrics_default_macro acc=71.1003%
 """
@@ -34,6 +36,7 @@ import argparse
 import os
 import socket
 import sys
+from collections import Counter
 from datetime import timedelta
 
 import torch
@@ -133,24 +136,28 @@ def make_test_set(size: int, seed: int) -> tuple[TensorDataset, nn.Module]:
     labels[wrong] = torch.randint(
         0, NUM_CLASSES, (int(wrong.sum()),), generator=g
     )
-    return TensorDataset(x, labels), model
+    # The third tensor: each sample's index, to see which samples a rank
+    # scored.
+    return TensorDataset(x, labels, torch.arange(size)), model
 
 
 def evaluate(
     model: nn.Module, loader: DataLoader, metrics: list
-) -> torch.Tensor:
-    """(correct, total) on this rank's shard; also feeds every torchmetrics
-    metric."""
+) -> tuple[torch.Tensor, list[int]]:
+    """(correct, total) on this rank's shard, and the samples it scored; also
+    feeds every torchmetrics metric."""
     counts = torch.zeros(2, dtype=torch.int64)
+    scored = []
     with torch.no_grad():
-        for x, y in loader:
+        for x, y, index in loader:
+            scored += index.tolist()
             logits = model(x)
             counts += torch.tensor(
                 [(logits.argmax(1) == y).sum().item(), len(y)]
             )
             for metric in metrics:
                 metric.update(logits, y)
-    return counts
+    return counts, scored
 
 
 def compare(
@@ -166,11 +173,13 @@ def compare(
     micro = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
     default = MulticlassAccuracy(num_classes=NUM_CLASSES)
     loader = DataLoader(dataset, args.batch_size, sampler=sampler)
-    local = evaluate(model, loader, [micro, default])
+    local, scored = evaluate(model, loader, [micro, default])
 
     # all_gather: only to print every rank's own view below.
     shards = [torch.zeros_like(local) for _ in range(world_size)]
     dist.all_gather(shards, local)
+    samples = [None] * world_size
+    dist.all_gather_object(samples, scored)
     # The hand-written way: sum (correct, total) over the ranks.
     summed = local.clone()
     dist.all_reduce(summed)
@@ -180,14 +189,22 @@ def compare(
         for r, (correct, total) in enumerate(
             shard.tolist() for shard in shards
         ):
+            # The first and the last samples of the rank's shard.
+            ends = samples[r][:3], samples[r][-3:]
+            first, last = (",".join(map(str, e)) for e in ends)
             log(
                 f"shard sampler={name} rank={r} correct={correct}"
                 f" total={total} acc={100 * correct / total:.4f}%"
+                f" first={first} last={last}"
             )
+        # The samples counted more than once, over all ranks.
+        counts = Counter(i for shard in samples for i in shard)
+        twice = sorted(i for i, n in counts.items() if n > 1)
         correct, total = summed.tolist()
         log(
             f"global sampler={name} method=all_reduce correct={correct}"
             f" total={total} acc={100 * correct / total:.4f}%"
+            f" twice={','.join(map(str, twice)) or 'none'}"
         )
         log(
             f"global sampler={name} method=torchmetrics_micro"
@@ -205,7 +222,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         # What one process says over the whole test set: the number to
         # reproduce.
         dataset, model = make_test_set(args.size, args.seed)
-        x, y = dataset.tensors
+        x, y, _ = dataset.tensors
         with torch.no_grad():
             correct = int((model(x).argmax(1) == y).sum())
         log(

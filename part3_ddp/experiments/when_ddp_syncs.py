@@ -2,12 +2,17 @@
 
 DDP copies rank 0's weights and buffers once, when it is built. After that it
 keeps the weights equal by averaging gradients, and it copies rank 0's buffers
-(BatchNorm's running statistics) at the start of a forward pass only when the
-forward before it was a training forward (grad enabled, outside `no_sync`):
-torch 2.15, `_pre_forward` and `_post_forward` in
-https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/distributed.py
-(`require_forward_param_sync`). So:
+(BatchNorm's running statistics) at the start of a forward pass when a flag is
+set: the constructor sets it, and every forward clears it unless it runs with
+gradients enabled outside `no_sync`, which sets it again. The module's train or
+eval mode plays no part. torch 2.15, `require_forward_param_sync` in
+`__init__`, `_pre_forward` and `_post_forward` of
+https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/distributed.py.
+So:
 
+- the first forward after the wrap copies rank 0's buffers, even in eval mode
+  without gradients; a forward that rank 0 alone makes there waits in that copy
+  for the others (until the group's timeout);
 - after training, each rank's buffers include its own last batch: the bare
   models (`model.module`) of the ranks differ, and score differently;
 - the first forward through the wrapper under `torch.no_grad()` copies rank
@@ -22,6 +27,7 @@ https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/distributed.py
     python part3_ddp/experiments/when_ddp_syncs.py
 
 Evidence lines (all from rank 0):
+    first_forward_after_wrap mode=eval grad=off buffers_copied=True
     trained buffers_equal=False bare_scores_equal=False
     first_eval_forward buffers_equal=True equal_to_rank0=True scores_equal=True
     later_eval_forwards per_rank=3,2 buffers_copied=False
@@ -100,6 +106,13 @@ def weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def mark(model: nn.Module, rank: int) -> None:
+    """Make this rank's buffers its own: add the rank to each."""
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            buffer += rank
+
+
 def train(model, optimizer, data, steps: int) -> None:
     model.train()
     for _ in range(steps):
@@ -121,6 +134,20 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     # Different data on each rank; one evaluation input shared by all.
     data = torch.Generator().manual_seed(args.seed + 1 + rank)
     probe = torch.randn(32, 8, generator=torch.Generator().manual_seed(99))
+
+    # The first forward after the wrap copies rank 0's buffers too: the
+    # constructor sets the flag that a forward with gradients sets. Mark this
+    # rank's buffers, then one forward in eval mode, without gradients: the
+    # copy comes all the same. (A forward on rank 0 alone here would wait in
+    # that copy for the others.)
+    mark(model.module, rank)
+    model.eval()
+    with torch.no_grad():
+        model(probe)
+    same, _ = all_equal(state(model.module))
+    report = (
+        f"first_forward_after_wrap mode=eval grad=off buffers_copied={same}"
+    )
     train(model, optimizer, data, args.steps)
 
     # The bare model: each rank's buffers, each rank's scores.
@@ -129,7 +156,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         bare_scores = model.module(probe)
     same, _ = all_equal(state(model.module))
     scores_same, _ = all_equal(bare_scores)
-    report = f"trained buffers_equal={same} bare_scores_equal={scores_same}"
+    report += f"\ntrained buffers_equal={same} bare_scores_equal={scores_same}"
 
     # The first forward through the wrapper after training copies rank 0's.
     with torch.no_grad():
@@ -144,9 +171,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     # Later no_grad forwards copy nothing: mark this rank's buffers, run a
     # different number of forwards on each rank, and look whether the marks
     # survived. (A copy here would wait for the ranks that ran fewer.)
-    for buffer in model.module.buffers():
-        if buffer.is_floating_point():
-            buffer += rank
+    mark(model.module, rank)
     forwards = world_size + 1 - rank
     with torch.no_grad():
         for _ in range(forwards):
