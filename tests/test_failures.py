@@ -12,6 +12,7 @@ import io
 import json
 import os
 import random
+import re
 import runpy
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,17 @@ from types import ModuleType
 import pytest
 import timm
 import torch
-from conftest import PYTHON, REPO, TINY_RUN, TORCHRUN, Probe, Run, launch, with_environ
+from conftest import (
+    PYTHON,
+    REPO,
+    TINY_RUN,
+    TORCHRUN,
+    Probe,
+    Run,
+    launch,
+    launch_at_once,
+    with_environ,
+)
 from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
 
 EPOCH_SNAPSHOT_SCRIPT = BY_LABEL["7"].script  # a snapshot at the end of each epoch
@@ -29,6 +40,9 @@ STEP_SNAPSHOT_SCRIPT = BY_LABEL["8"].script  # and within epochs: the loader's p
 SNAPSHOT_SCRIPT = BY_LABEL["9"].script  # and each rank's random state: an exact resume
 CHECKED_SNAPSHOT_SCRIPT = BY_LABEL["10"].script  # and a snapshot that belongs to its run
 LOCKED_SNAPSHOT_SCRIPT = BY_LABEL["11"].script  # and one run at a time: a lock
+# The chapter's figure of a killed and resumed run; its --record mode runs a command and keeps
+# its output with the time of each line (the kill test's runs go through it).
+RESUME_FIGURE = "part4_torchrun/fault_tolerance/figures/draw_resume.py"
 # The scripts that check the GPU count: step 4 (device placement) and every script after it.
 GPU_CHECKED = [s.script for s in STEPS if s.checks_gpus]
 LAUNCH_TIMEOUT = (
@@ -48,6 +62,7 @@ RUN = [*TINY_RUN, "--fake-size", "330", "--epochs", str(EPOCHS)]
 # step 2 of that epoch (rank 1 could not draw batch 3 before rank 0 had saved it) and before the
 # one at step 4.
 KILL_AT = (1, 1, 3)
+PER_EPOCH = 6  # steps
 SNAPSHOT_EVERY = ["--snapshot-every", "2"]
 TORCHRUN_2 = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
 TORCHRUN_4 = [TORCHRUN, "--standalone", f"--nproc_per_node={RANKS}"]
@@ -82,6 +97,15 @@ def exit_message(exit: SystemExit) -> str:
     """What `python script.py` would print for this exit: sys.exit("error: ...") exits 1."""
     assert isinstance(exit.code, str), f"want sys.exit('error: ...'), got exit code {exit.code!r}"
     return exit.code + "\n"
+
+
+def saved_lines(run: Run) -> list[str]:
+    """The run's `saved snapshot` lines, each without its size, once that is checked: one
+    decimal, in MB, the size of a snapshot of the tiny test model."""
+    lines = [line for line in run.stdout.splitlines() if line.startswith("saved snapshot ")]
+    sizes = [line.rpartition(" (")[2] for line in lines]
+    assert all(re.fullmatch(r"\d\.\d MB\)", size) for size in sizes), lines
+    return [line.rpartition(" (")[0] for line in lines]
 
 
 def differing_tensors(a: dict, b: dict) -> list[str]:
@@ -124,7 +148,8 @@ def restarted_and_reference(
 
 
 def snapshot_run(out: Path, extra_env: dict, launcher: list[str]) -> tuple[Run, Path, Probe]:
-    """One 4-rank torchrun run of the snapshot step into `out`, with the probe."""
+    """One 4-rank torchrun run of the snapshot step into `out`, with the probe, through the
+    figure's recorder: its output, unchanged, and out/transcript.txt (each line timed)."""
     # The reference runs with the defaults (no snapshot within an epoch): saving snapshots
     # must not change the training either.
     flags = SNAPSHOT_EVERY if "DDP_PROBE_KILL_AT" in extra_env else []
@@ -139,8 +164,9 @@ def snapshot_run(out: Path, extra_env: dict, launcher: list[str]) -> tuple[Run, 
         "--snapshot",
         str(out / "snapshot.pt"),
     ]
+    record = [PYTHON, RESUME_FIGURE, "--record", str(out / "transcript.txt"), "--"]
     run = launch(
-        command,
+        [*record, *command],
         timeout=LAUNCH_TIMEOUT,
         env={**FRESH_STORE, **extra_env},
         probe_dir=out / "probe",
@@ -227,8 +253,12 @@ def test_epoch_snapshot_resumes_where_the_crash_left_it(tmp_path: Path) -> None:
         f"{snapshot}.tmp"
     ]
     assert [int(e["epoch"]) for e in crashed.epochs()] == [1, 2]
+    # Each snapshot says where it stands, in the words a resume uses, and its size: the crash
+    # at the second rename left the first, the last one its attempt said it saved.
+    assert saved_lines(crashed) == [f"saved snapshot {snapshot}: 1/2 epochs done"], crashed.stdout
     assert resumed.returncode == 0, resumed.describe()
     assert f"resumed from {snapshot}: 1/2 epochs done" in resumed.stdout, resumed.describe()
+    assert saved_lines(resumed) == [f"saved snapshot {snapshot}: 2/2 epochs done"], resumed.stdout
     assert [int(e["epoch"]) for e in resumed.epochs()] == [2], resumed.describe()
     # Epoch 2 again, as the crashed attempt trained it, to the printed digit: the weights and
     # momentum of epoch 1, the schedule and the random crops all came back.
@@ -260,6 +290,13 @@ def test_step_snapshot_resumes_at_the_step_it_left_off(tmp_path: Path) -> None:
     assert [int(e["train_samples"]) for e in crashed.epochs()] == [4 * 16], crashed.describe()
     said = f"resumed from {snapshot}: 1/2 epochs, 1 steps done"
     assert resumed.returncode == 0 and said in resumed.stdout, resumed.describe()
+    # Each snapshot says the steps done in its epoch; the resume, those of the last one saved.
+    done = ["0/2 epochs, 1", "0/2 epochs, 2", "0/2 epochs, 3", "1/2 epochs, 0", "1/2 epochs, 1"]
+    said = [f"saved snapshot {snapshot}: {where} steps done" for where in done]
+    assert saved_lines(crashed) == said, crashed.stdout
+    done = ["1/2 epochs, 2", "1/2 epochs, 3", "2/2 epochs, 0"]
+    said = [f"saved snapshot {snapshot}: {where} steps done" for where in done]
+    assert saved_lines(resumed) == said, resumed.stdout
     assert [(int(e["epoch"]), int(e["train_samples"])) for e in resumed.epochs()] == [(2, 3 * 16)]
     # The loader's place came back: the resumed run draws the batch the crashed one drew second
     # in epoch 2 (the same shuffle, from the step the snapshot holds), then two more, and never
@@ -290,6 +327,48 @@ def test_batchnorm_evaluation_with_uneven_batch_counts(restarted_and_reference) 
     assert [e["test_samples"] for e in reference.epochs()] == [66] * EPOCHS, (
         "every test image scored once"
     )
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's header."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+@pytest.mark.slow  # shares the runs above
+def test_the_resume_figure_shows_the_kill_and_the_resume(
+    restarted_and_reference, tmp_path: Path
+) -> None:
+    """The chapter's figure (figures/draw_resume.py), parsed and drawn from the kill test's two
+    runs: what its caption says holds in their output. The first attempt saved snapshots every 2
+    steps, the kill came after its last one, the restart resumed at that snapshot's step, and
+    the epochs trained whole (before the kill, and after the resumed one) printed the
+    uninterrupted run's loss to the last digit."""
+    figure = import_script(RESUME_FIGURE)
+    data = {
+        name: figure.parse(
+            (restarted_and_reference[run][1] / "transcript.txt").read_text(), PER_EPOCH
+        )
+        for name, run in (("killed", "restarted"), ("reference", "reference"))
+    }
+    killed, reference = data["killed"], data["reference"]
+    assert len(killed["attempts"]) == 2 and len(reference["attempts"]) == 1, killed
+    first, second = killed["attempts"]
+    steps = [step for _, step in first["points"]]
+    assert steps == [0, 2, 4, 6, 8], f"every 2 steps, then the kill in epoch 2: {steps}"
+    (saved_s, saved_step), (kill_s, rank) = first["points"][-1], killed["kill"]
+    assert rank == KILL_AT[0] and saved_s < kill_s < second["start_s"], killed
+    assert killed["resume"][1] == saved_step == PER_EPOCH + KILL_AT[2] - 1, killed
+    assert killed["resumed_epoch"] == KILL_AT[1] + 1
+    assert second["points"][-1][1] == EPOCHS * PER_EPOCH, "attempt 2 trains to the end"
+    for epoch, (printed, _) in killed["losses"].items():
+        if epoch != killed["resumed_epoch"]:
+            assert printed == reference["losses"][epoch][0], (epoch, killed, reference)
+    figure.draw(data, tmp_path / "resume.png")
+    assert png_size(tmp_path / "resume.png") == (900, 480)
+    committed = REPO / Path(RESUME_FIGURE).with_name("resume.png")
+    assert png_size(committed) == (900, 480) and committed.stat().st_size < 150_000
 
 
 # ---- a rank that raises ends the whole job -----------------------------------------------------
@@ -429,8 +508,8 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
     a_file, made = tmp_path / "a_file", tmp_path / "made" / "for" / "the checkpoint"
     a_file.touch()
     cases = [  # (script, arguments, what the one line must say)
-        (PART1, ["--epochs", "0"], ["--epochs", "1 or more"]),
-        (PART1, ["--batch-size", "-4"], ["--batch-size", "1 or more"]),
+        (PART1, ["--epochs", "0"], ["--epochs", "must be positive"]),
+        (PART1, ["--batch-size", "-4"], ["--batch-size", "must be positive"]),
         (PART1, ["--model", "resnet181"], ["unknown --model 'resnet181'"]),
         # The checkpoint's folder is made at start: it exists when the data turns out missing.
         (
@@ -446,7 +525,7 @@ def test_bad_input_gives_one_clear_line(tmp_path: Path) -> None:
             ["--model", "resnet181", "--nprocs", "2"],
             ["unknown --model"],
         ),  # before mp.spawn
-        (STEP6, ["--batch-size", "0"], ["1 or more"]),
+        (STEP6, ["--batch-size", "0"], ["must be positive"]),
     ]
     # In the same launch: a snapshot from a finished run (3 epochs of 3) is said in one line,
     # and nothing trains: exit 0, no epoch line.
@@ -560,35 +639,42 @@ def test_a_snapshot_belongs_to_its_run(tmp_path: Path) -> None:
     assert {r["digest"] for r in results} == {first["digest"]}, results
     resumed = f"resumed from {snapshot}: 1/1 epochs, 0 steps done: nothing to train"
     assert after_crash["code"] == 0 and resumed in run.stdout, run.describe()
+    # The run that took the lock said so, once; the refused one did not.
+    locked = [line for line in run.stdout.splitlines() if line.startswith("locked ")]
+    assert locked == [f"locked {snapshot}: other runs stop until this one ends"], run.stdout
     assert "s.pt.tmp" not in after_crash["files"] and not tmp.exists(), after_crash["files"]
-    # Another world size, and random bytes, at once: both ranks of a torchrun stop, each in
-    # its line, and so does the job.
-    with ThreadPoolExecutor(2) as pool:
-        resume, garbled = (
-            pool.submit(
-                launch,
-                [*TORCHRUN_2, CHECKED_SNAPSHOT_SCRIPT, *base, *extra],
-                timeout=LAUNCH_TIMEOUT,
-                check=False,
-            )
-            for extra in ([], ["--snapshot", str(damaged / "random.pt")])
-        )
-        resume, garbled = resume.result(), garbled.result()
+    # At once, under torchrun: step 10 with another world size, and step 11 with random bytes
+    # and --max-restarts=2. Both ranks of step 10 stop, each in its line, and so does the job.
+    # Step 11's refusal ends its job in its first attempt, where a retry would fail alike:
+    # each rank's line (a rank that torchrun stops first says nothing), no traceback.
+    garbled = ["--snapshot", str(damaged / "random.pt")]
+    resume, garbled = launch_at_once(
+        [
+            [*TORCHRUN_2, CHECKED_SNAPSHOT_SCRIPT, *base],
+            [*TORCHRUN_2, "--max-restarts=2", LOCKED_SNAPSHOT_SCRIPT, *base, *garbled],
+        ],
+        timeout=LAUNCH_TIMEOUT,
+        check=False,
+        envs=[None, FRESH_STORE],
+    )
     assert resume.returncode != 0 and not resume.timed_out, resume.describe()
     said = f"error: {snapshot} is another run's: world_size 1 there, 2 here"
     assert said in resume.stdout + resume.stderr, resume.describe()
     assert "epoch 1/1" not in resume.stdout, resume.describe()
     output = garbled.stdout + garbled.stderr
     said = f"error: {damaged / 'random.pt'} is not a snapshot {unreadable[damaged / 'random.pt']}"
-    assert [line for line in output.splitlines() if "error: " in line] == [said] * 2, output
+    refusals = [line for line in output.splitlines() if "error: " in line]
+    assert refusals in ([said], [said] * 2), output
     assert garbled.returncode != 0 and "[rank" not in output, garbled.describe()
+    assert_one_attempt(garbled)
     assert (damaged / "random.pt").read_bytes() == contents[damaged / "random.pt"]
 
 
 def test_a_refused_run_ends_its_torchrun_job(tmp_path: Path) -> None:
     """Step 11 under `torchrun --max-restarts=2` while another run holds the snapshot's lock:
     rank 0 says so once and the job ends, not restarted (a restart would wait for the lock to
-    free, then resume the other run's snapshot): a non-zero exit, no epoch, no process left."""
+    free, then resume the other run's snapshot): a non-zero exit, no epoch, no process left.
+    (A snapshot refused under --max-restarts=2: test_a_snapshot_belongs_to_its_run.)"""
     snapshot, mark = tmp_path / "s.pt", f"DDP_TEST_RUN={tmp_path}"
     command = [*TORCHRUN_2, "--max-restarts=2", LOCKED_SNAPSHOT_SCRIPT, *TINY_RUN]
     command += ["--epochs", "1", "--max-steps", "2", "--snapshot", str(snapshot)]
@@ -600,11 +686,21 @@ def test_a_refused_run_ends_its_torchrun_job(tmp_path: Path) -> None:
     finally:
         os.close(held)
     output = run.stdout + run.stderr
-    refusals = [line for line in output.splitlines() if "another run is using" in line]
+    refusals = [line for line in output.splitlines() if "error: " in line]
     assert refusals == [f"error: another run is using {snapshot}"], run.describe()
     assert run.returncode != 0 and "epoch 1/1" not in run.stdout, run.describe()
+    assert_one_attempt(run)
     assert not with_environ(mark), "processes of the refused job still run"
     assert not snapshot.exists(), run.describe()
+
+
+def assert_one_attempt(run: Run) -> None:
+    """A torchrun job that a refusing rank ended (step 11): torchrun stopped by its signal, in
+    the first attempt (at most one rank-0 line: none when rank 0 stops before its process
+    group), not failing after its restarts (no ChildFailedError report)."""
+    assert "Received 15 death signal" in run.stderr, run.describe()
+    assert run.stdout.count("rank 0/2 device=") <= 1, run.describe()
+    assert "ChildFailedError" not in run.stdout + run.stderr, run.describe()
 
 
 def test_a_wrong_argument_under_torchrun_is_said_once() -> None:

@@ -80,8 +80,9 @@ def read_launcher_env(env=os.environ) -> tuple[int, ...]:
         sys.exit(f"error: under srun, set {sorted(needs - env.keys())}")
     torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
     srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
-    srun.append("SLURM_NTASKS_PER_NODE")
-    return tuple(int(env[n]) for n in (torchrun if "RANK" in env else srun))
+    names = torchrun if "RANK" in env else [*srun, "SLURM_NTASKS_PER_NODE"]
+    log("launcher: " + " ".join(f"{n}={env[n]}" for n in names))
+    return tuple(int(env[n]) for n in names)
 
 
 def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
@@ -116,7 +117,6 @@ def build_model(name: str) -> torch.nn.Module:
     return timm.create_model(name, num_classes=10)
 
 
-# step 8: `steps` numbers the steps left of the epoch; `save` snapshots
 def train_one_epoch(model, loader, optimizer, device, steps, verbose, save):
     """(summed loss, correct predictions, images): one tensor on `device`."""
     model.train()
@@ -176,6 +176,9 @@ def save_snapshot(path: str, state: dict, every=1, step=0) -> None:
     snapshot.update(step=step)  # step 8
     torch.save(snapshot, path + ".tmp")
     os.replace(path + ".tmp", path)
+    size = os.path.getsize(path) / 1e6  # step 7: say where it stands
+    epochs = "{last_epoch}/{T_max} epochs".format(**snapshot["scheduler"])
+    log(f"saved snapshot {path}: {epochs}, {step} steps done ({size:.1f} MB)")
 
 
 def main(args: argparse.Namespace) -> None:  # step 6
@@ -214,6 +217,12 @@ def main(args: argparse.Namespace) -> None:  # step 6
         train_set, args.batch_size, sampler=sampler
     )
     test_loader = DataLoader(test_set, args.batch_size)
+    # step 3: the shards, gathered: how many of this rank's another rank has
+    shards = [None] * world_size
+    dist.all_gather_object(shards, set(sampler))
+    mine = shards.pop(rank)
+    shared = len(mine & set().union(*shards))
+    log(f"rank {rank}/{world_size} shard={len(sampler)} shared={shared}")
 
     model = build_model(args.model).to(device)
     # step 2: DDP copies rank 0's weights to all ranks, then averages gradients
@@ -268,10 +277,15 @@ def main(args: argparse.Namespace) -> None:  # step 6
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
             save_snapshot(args.snapshot, state)  # step 7
+    # step 2: each rank prints the norm of its model's weights: all the same
+    weights = [p.double() for p in model.parameters()]  # 12 digits: float64
+    norm = torch.nn.utils.get_total_norm(weights)
+    log(f"rank {rank}/{world_size} weights' norm {norm.item():.12g}")
     if args.checkpoint and rank == 0:  # step 1: one writer
         # step 5: save the model inside DDP's wrapper: keys without "module."
         save_checkpoint(model.module, args.checkpoint)
         saved = torch.load(args.checkpoint, map_location="cpu")
+        log(f"checkpoint keys: {list(saved)[:3]} and {len(saved) - 3} more")
         build_model(args.model).load_state_dict(saved)
         log(f"checkpoint {args.checkpoint} loads into a bare {args.model}")
     dist.destroy_process_group()  # step 1
