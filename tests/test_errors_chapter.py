@@ -9,9 +9,11 @@ that imported torch once for all of them (tests/warm_python.py): a launch costs 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import select
+import struct
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,8 +42,10 @@ def script(name: str, *args: str) -> list[str]:
 
 
 # name: (command, extra environment); the hangs first, so that their waits overlap the rest.
+# The hang writes each rank's Flight Recorder into FR_DUMP (`runs` puts a folder's path there):
+# the flag acts only once a collective has failed, the timeout's output stays the learner's.
 LAUNCHES: dict[str, tuple[list[str], dict[str, str]]] = {
-    "hang": ([*TORCHRUN_2, f"{CHAPTER}/hang.py"], {}),
+    "hang": ([*TORCHRUN_2, f"{CHAPTER}/hang.py", "--fr-dump", "FR_DUMP"], {}),
     "rank0_slow": (script("rank0_slow.py"), {}),
     "uneven": (script("uneven_inputs.py"), {}),
     "hang_detail": (
@@ -80,8 +84,15 @@ THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def fr_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder where the hang's ranks write their Flight Recorder."""
+    return tmp_path_factory.mktemp("fr") / "hang"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, fr_dump: Path) -> dict[str, Run]:
     path = str(tmp_path_factory.mktemp("warm") / "socket")
+    places = {"SOCKET": path, "FR_DUMP": str(fr_dump)}
     server = subprocess.Popen(
         [*WARM, "serve", path],
         cwd=REPO,
@@ -94,7 +105,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 
     def one(name: str) -> Run:
         command, env = LAUNCHES[name]
-        command = [path if word == "SOCKET" else word for word in command]
+        command = [places.get(word, word) for word in command]
         return launch(command, timeout=TIMEOUT, env={**THREADS, **env}, check=False)
 
     try:
@@ -170,23 +181,126 @@ def test_reentrant_checkpoint_twice_fails_then_both_fixes_train_alike(
         assert values(stdout, "done")[0]["ranks_equal"] == "True"
 
 
+# Where each rank waits in hang.py: rank 0 in the all_reduce only it calls (the one under the
+# bug's comment, not the fix's), rank 1 in the barrier.
+WAITS = {
+    0: ("all_reduce", "dist.all_reduce(counts)", "# The bug"),
+    1: ("barrier", "dist.barrier()", ""),
+}
+
+
+def hang_line(rank: int) -> int:
+    """The number of hang.py's line where this rank waits: its code, after that comment."""
+    _, code, comment = WAITS[rank]
+    lines = ["", *(REPO / CHAPTER / "hang.py").read_text().splitlines()]
+    (number,) = [
+        n for n in range(1, len(lines)) if lines[n].strip() == code and comment in lines[n - 1]
+    ]
+    return number
+
+
 def test_hang_ends_on_the_timeout_with_each_rank_located(runs: dict[str, Run]) -> None:
     run = runs["hang"]
     failed_with(run, TIMED_OUT, "Root Cause (first observed failure)")
     # @record: torchrun's report holds the failed rank's traceback, down to the script's line
-    # where it waited (rank 0 in the all_reduce, rank 1 in the barrier).
+    # where it waited (rank 0 in the all_reduce, rank 1 in the barrier). Which rank it names
+    # is the earlier failure, in whole seconds: either.
     root = run.stderr.split("Root Cause (first observed failure)", 1)[1]
     assert "error_file: <N/A>" not in root, run.describe()
     assert re.search(
-        r'hang\.py", line \d+, in main\n\s+dist\.(all_reduce\(counts\)|barrier\(\))', root
+        r'hang\.py", line \d+, in count_and_wait\n\s+dist\.(all_reduce\(counts\)|barrier\(\))',
+        root,
     )
-    # DETAIL checks every collective first: a mismatch error instead of a wait.
-    detail = runs["hang_detail"]
-    failed_with(detail, "Detected mismatch between collectives on ranks")
-    assert "Timed out" not in output(detail), "the mismatch is found before any timeout"
     (accuracy,) = values(passed(runs["hang_fix"]), "accuracy")
     # Both shards of 64 counted, by rank 0 alone.
     assert accuracy["total"] == "128" and 0 < int(accuracy["correct"]) < 128
+
+
+def test_debug_detail_names_each_ranks_own_call_not_the_others(runs: dict[str, Run]) -> None:
+    """DETAIL checks every collective first: a mismatch error instead of a wait. Each rank's
+    message names its own call right and sits under its own traceback; the other rank's call
+    it names is read from the length of that rank's fingerprint when the lengths differ:
+    rank 0's all_reduce of one tensor of 1 dimension is 7 numbers (7: GATHER), rank 1's
+    barrier 3 (3: REDUCE), as the page explains."""
+    detail = runs["hang_detail"]
+    failed_with(detail, "Detected mismatch between collectives on ranks")
+    assert "Timed out" not in output(detail), "the mismatch is found before any timeout"
+    own = {0: "SequenceNumber=0, OpType=ALLREDUCE", 1: "SequenceNumber=0OpType=BARRIER"}
+    named = {0: "SequenceNumber=0OpType=REDUCE", 1: "SequenceNumber=0OpType=GATHER"}
+    found = re.findall(
+        r"^\[rank(\d)\]: RuntimeError: Detected mismatch between collectives on ranks\."
+        r" Rank (\d) is running collective: CollectiveFingerPrint\(([^)]*)\),"
+        r" but Rank (\d) is running collective: CollectiveFingerPrint\(([^)]*)\)",
+        detail.stderr,
+        re.MULTILINE,
+    )
+    assert found, detail.describe()
+    for printer, rank, mine, other, theirs in found:
+        rank, other = int(rank), int(other)
+        assert int(printer) == rank and other == 1 - rank, detail.describe()
+        assert mine.startswith(own[rank]), f"rank {rank}'s own call: {mine}"
+        assert theirs == named[rank], f"rank {rank} reads rank {other}'s call as: {theirs}"
+        # What the script called on the other rank is not what the message names.
+        assert WAITS[other][0].upper().replace("_", "") not in theirs
+    # Each rank's traceback ends in its own line of hang.py.
+    for rank, (_, code, _) in WAITS.items():
+        assert re.search(
+            rf'^\[rank{rank}\]:   File "[^"]*hang\.py", line {hang_line(rank)}, in count_and_wait\n'
+            rf"\[rank{rank}\]:     {re.escape(code)}$",
+            detail.stderr,
+            re.MULTILINE,
+        ), detail.describe()
+
+
+def draw_hang():
+    """part4_torchrun/errors/figures/draw_hang.py, imported from its file."""
+    path = REPO / CHAPTER / "figures" / "draw_hang.py"
+    spec = importlib.util.spec_from_file_location("draw_hang", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's header."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_flight_recorder_records_gloo_and_the_figure_shows_the_hang(
+    runs: dict[str, Run], fr_dump: Path, tmp_path: Path
+) -> None:
+    """Torch 2.15 records gloo's collectives by default: each rank of the hang writes its
+    record when its collective fails (--fr-dump), and the figure's drawing script reads them.
+    What its caption says: every rank at collective #1, each in another one, from its own line
+    of hang.py, each waiting until the 5 s timeout."""
+    run = runs["hang"]
+    assert sorted(p.name for p in fr_dump.iterdir()) == ["rank_0", "rank_1"], run.describe()
+    figure = draw_hang()
+    data = figure.parse(fr_dump)
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    printed = {int(v["rank"]): v for v in values(run.stdout, "flight_recorder")}
+    for rank in data["ranks"]:
+        op, code, _ = WAITS[rank["rank"]]
+        # The script's one collective on each rank: all that the recorder holds.
+        (last,) = rank["entries"]
+        assert (last["op"], last["seq"], last["code"]) == (op, 1, code), last
+        assert last["line"] == hang_line(rank["rank"]) and last["timeout_s"] == 5.0
+        # The rank's own line, printed where it failed, says the same.
+        assert printed[rank["rank"]] == {
+            "rank": str(rank["rank"]),
+            "last": f"gloo:{op}",
+            "seq": "1",
+            "line": str(last["line"]),
+            "entries": "1",
+        }
+    # The ranks entered their collectives at about the same moment (one machine's clock).
+    starts = [r["entries"][-1]["start_s"] for r in data["ranks"]]
+    assert min(starts) == 0 and max(starts) < 1, starts
+    out = tmp_path / "hang.png"
+    figure.draw(data, out)
+    assert png_size(out)[0] == 900 and 200 < png_size(out)[1] <= 550, png_size(out)
 
 
 def test_rank0_slow_work_times_out_the_waiting_rank(runs: dict[str, Run]) -> None:
@@ -214,6 +328,9 @@ def test_loading_without_map_location_targets_gpu0_on_every_rank(runs: dict[str,
     broken = runs["load"]
     saved = values(broken.stdout, "saved")
     assert sorted((s["rank"], s["saved_on"]) for s in saved) == [("0", "cuda:0"), ("1", "cuda:0")]
+    # What each rank's load without map_location allocates on GPU 0: the whole checkpoint,
+    # nn.Linear(16, 4)'s 64 weights and 4 biases in float32.
+    assert {s["bytes"] for s in saved} == {str(4 * (16 * 4 + 4))}
     if "loaded " in broken.stdout:
         # A machine with a GPU: every rank's copy lands on GPU 0.
         assert {r["device"] for r in values(broken.stdout, "loaded")} == {"cuda:0"}
@@ -247,9 +364,9 @@ def test_batchnorm_per_rank_statistics_and_syncbatchnorm_on_cpu(runs: dict[str, 
     # Per-rank statistics miss the global ones, the more so the smaller the batch per rank.
     assert diffs == sorted(diffs, reverse=True) and diffs[-1] > 0.01, diffs
     (buffers,) = values(stdout, "buffers")
-    # Each rank's running statistics drift apart; DDP puts rank 0's back at the next training
-    # forward.
-    assert buffers == {"after_forward_equal": "False", "next_forward_starts_from_rank0": "True"}
+    # Each rank's running statistics drift apart; DDP puts rank 0's back at the next forward
+    # through the wrapper, an evaluation's too (eval mode, no_grad) after a training forward.
+    assert buffers == {"after_forward_equal": "False", "eval_forward_starts_from_rank0": "True"}
     # The fix on a CPU: SyncBatchNorm is refused.
     failed_with(runs["batchnorm_fix"], "SyncBatchNorm layers only work with GPU modules")
 

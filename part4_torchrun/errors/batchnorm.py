@@ -7,12 +7,14 @@ the global batch: noisy, and unlike a one-process run with the same global
 batch. The script measures how far each rank's normalised output is from
 the output with the global batch's statistics, per batch size per rank.
 It also shows where the running statistics (used at evaluation) come from:
-DDP copies rank 0's buffers to every rank before each training forward pass
+DDP copies rank 0's buffers to every rank at the start of a forward pass
+through the wrapper that follows one run with gradients on (and the first
+one after wrapping), in training or evaluation mode alike
 (forward_sync_buffers=True, the default; torch 2.13 deprecated its older
 name, broadcast_buffers), so they are estimated from rank 0's samples alone.
 
-SyncBatchNorm computes the statistics over all ranks (the fix), but only on
-GPUs (CUDA, XPU, HPU): on a CPU, DDP refuses the model with
+SyncBatchNorm computes the statistics over all ranks (the fix), but not on
+a CPU (CUDA, XPU, HPU or a PrivateUse1 device): DDP refuses a CPU model with
 
     ValueError: SyncBatchNorm layers only work with GPU modules
 
@@ -27,7 +29,7 @@ the model and data on GPUs and the nccl backend: not run here.
 
 Evidence lines (rank 0):
     bn sync=False per_rank_batch=2 global_batch=4 mean_abs_diff=0.6088
-    buffers after_forward_equal=False next_forward_starts_from_rank0=True
+    buffers after_forward_equal=False eval_forward_starts_from_rank0=True
 """
 
 import argparse
@@ -54,7 +56,7 @@ FEATURES = 8
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--fix", action="store_true", help="SyncBatchNorm (GPUs only)"
+        "--fix", action="store_true", help="SyncBatchNorm (not on a CPU)"
     )
     parser.add_argument(
         "--batch-sizes",
@@ -121,14 +123,17 @@ def worker(
                 f" global_batch={batch * world_size}"
                 f" mean_abs_diff={diff.item() / world_size:.4f}"
             )
-    # The running mean each rank's BatchNorm starts a forward pass with,
-    # after DDP's buffer broadcast, against the one it ended the last with.
+    # The running mean each rank's BatchNorm starts an evaluation with,
+    # after DDP's buffer broadcast, against the one its last training
+    # forward ended with: eval mode and no_grad do not stop the copy.
     seen = {}
     model.register_forward_pre_hook(
         lambda module, _: seen.update(start=module.running_mean.clone())
     )
     ended = model.running_mean.clone()
-    ddp(x).sum().backward()
+    ddp.eval()
+    with torch.no_grad():
+        ddp(x)
     buffers = torch.stack([ended, seen["start"]])
     copies = [torch.zeros_like(buffers) for _ in range(world_size)]
     dist.all_gather(copies, buffers)
@@ -137,7 +142,7 @@ def worker(
         start_is_rank0 = all(torch.equal(copies[0][0], c[1]) for c in copies)
         log(
             f"buffers after_forward_equal={ended_equal}"
-            f" next_forward_starts_from_rank0={start_is_rank0}"
+            f" eval_forward_starts_from_rank0={start_is_rank0}"
         )
     dist.destroy_process_group()
 

@@ -9,12 +9,18 @@ nothing is printed until the collective timeout (--timeout) ends it:
     RuntimeError: [.../gloo/transport/tcp/unbound_buffer.cc:...] Timed out
     waiting 5000ms for recv operation to complete
 
-Three ways to see which rank is where:
+Four ways to see which rank is where:
 - the timeout's traceback names the line each rank waits in; torchrun's
   report shows it when the entry point is wrapped in @record (below);
 - TORCH_DISTRIBUTED_DEBUG=DETAIL checks that all ranks call the same
   collective before each one, and turns the hang into an error at once:
-  "Detected mismatch between collectives on ranks";
+  "Detected mismatch between collectives on ranks". Each rank's own call
+  and traceback in it are right; the other rank's call it names may not be
+  (README);
+- the Flight Recorder, which records every gloo collective by default in
+  torch 2.15 (TORCH_FR_BUFFER_SIZE, 2000 entries): with --fr-dump DIR each
+  rank writes its record when its collective fails, and prints its last
+  collective, its sequence number and the script's line;
 - py-spy dump --pid PID prints a running process's Python stack (not run
   here; https://github.com/benfred/py-spy).
 
@@ -22,18 +28,23 @@ Three ways to see which rank is where:
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 \
         part4_torchrun/errors/hang.py
     torchrun --standalone --nproc_per_node=2 part4_torchrun/errors/hang.py \
+        --fr-dump fr_hang
+    torchrun --standalone --nproc_per_node=2 part4_torchrun/errors/hang.py \
         --fix
 
 --fix: every rank calls the all_reduce; only rank 0 prints.
 
-Evidence line (rank 0):
+Evidence lines (rank 0 with --fix; each rank with --fr-dump):
     accuracy correct=67 total=128 acc=52.34%
+    flight_recorder rank=1 last=gloo:barrier seq=1 line=126 entries=1
 """
 
 import argparse
 import os
+import pickle
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +58,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=5, help="collective timeout, s"
+    )
+    parser.add_argument(
+        "--fr-dump",
+        metavar="DIR",
+        help="on a failed collective, write each rank's Flight Recorder here",
     )
     return parser.parse_args()
 
@@ -71,17 +87,28 @@ def evaluate(rank: int, world_size: int) -> torch.Tensor:
     return torch.stack([correct, torch.tensor(len(predictions))])
 
 
-# @record: a rank's uncaught exception is written to a file that torchrun
-# reads, and its report shows that rank's traceback ("Root Cause") instead
-# of only an exit code.
-@record
-def main() -> None:
-    args = parse_args()
-    # torchrun tells each process who it is.
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # A collective that waits this long fails instead of hanging (PyTorch's
-    # default is 30 minutes for gloo, 10 for NCCL).
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+def dump_flight_recorder(folder: str, rank: int) -> None:
+    """Write this rank's Flight Recorder (its last collectives, with the
+    Python stack of each call) as torch's pickle, and print the last one."""
+    # A private function: torch 2.15 dumps gloo's record on request only.
+    trace = torch._C._distributed_c10d._dump_fr_trace(
+        includeCollectives=True, includeStackTraces=True, onlyActive=False
+    )
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, f"rank_{rank}").write_bytes(trace)
+    entries = pickle.loads(trace)["entries"]
+    last = entries[-1]
+    # The innermost frame in this script: the line that called it.
+    here = os.path.abspath(__file__)
+    line = next(f for f in last["frames"] if f["filename"] == here)
+    log(
+        f"flight_recorder rank={rank} last={last['profiling_name']}"
+        f" seq={last['collective_seq_id']} line={line['line']}"
+        f" entries={len(entries)}"
+    )
+
+
+def count_and_wait(args, rank: int, world_size: int) -> None:
     counts = evaluate(rank, world_size)
     if args.fix:
         # fix: a collective is called by every rank; printing is rank 0's
@@ -97,6 +124,25 @@ def main() -> None:
         )
     # Every rank waits here before rank 0 would save a checkpoint.
     dist.barrier()
+
+
+# @record: a rank's uncaught exception is written to a file that torchrun
+# reads, and its report shows that rank's traceback ("Root Cause") instead
+# of only an exit code.
+@record
+def main() -> None:
+    args = parse_args()
+    # torchrun tells each process who it is.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # A collective that waits this long fails instead of hanging (PyTorch's
+    # default is 30 minutes for gloo, 10 for NCCL).
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    try:
+        count_and_wait(args, rank, world_size)
+    except RuntimeError:
+        if args.fr_dump:
+            dump_flight_recorder(args.fr_dump, rank)
+        raise
     dist.destroy_process_group()
 
 

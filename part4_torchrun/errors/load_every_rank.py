@@ -3,8 +3,12 @@
 torch.save records, with each tensor, the device it was on: "cuda:0" for a
 checkpoint that rank 0 saved from its GPU. torch.load puts every tensor back
 on that device unless map_location says otherwise, so when every rank loads
-the file (to resume), all their copies land on GPU 0: its memory fills up,
-or the ranks compute on one GPU. On a machine without a GPU the load fails:
+the file (to resume), every rank's copy lands on GPU 0: N copies of the
+checkpoint there at once, and a CUDA context on GPU 0 in every rank's
+process. load_state_dict then copies the values into the rank's own
+parameters (param.copy_), so each rank still trains on its own GPU: the
+cost is memory on GPU 0, not speed. On a machine without a GPU the load
+fails:
 
     RuntimeError: Attempting to deserialize object on a CUDA device but
     torch.cuda.is_available() is False.
@@ -13,7 +17,7 @@ This script must run without a GPU too, so rank 0 saves CPU tensors and
 labels them "cuda:0", as torch.save does for a tensor on GPU 0 (a tagger
 registered with torch.serialization.register_package). Each rank first reads
 the labels with a map_location function, which shows where a load without
-map_location would put them.
+map_location would put them, and how many bytes.
 
     python part4_torchrun/errors/load_every_rank.py
     python part4_torchrun/errors/load_every_rank.py --fix
@@ -22,7 +26,7 @@ map_location would put them.
 (cuda:LOCAL_RANK on GPUs, cpu here).
 
 Evidence lines (one per rank):
-    saved rank=1 saved_on=cuda:0
+    saved rank=1 saved_on=cuda:0 bytes=272
     loaded rank=1 device=cpu equal=True
 """
 
@@ -85,15 +89,19 @@ def worker(
     # The others read the file only once it is written.
     dist.barrier()
 
-    # Where each tensor was saved: the location map_location receives.
-    locations = set()
+    # Where each tensor was saved (the location map_location receives), and
+    # the bytes a load without map_location would allocate there.
+    saved = {}
 
     def note(storage, location: str):
-        locations.add(location)
+        saved[location] = saved.get(location, 0) + storage.nbytes()
         return storage
 
     torch.load(path, map_location=note)
-    log(f"saved rank={rank} saved_on={','.join(sorted(locations))}")
+    log(
+        f"saved rank={rank} saved_on={','.join(sorted(saved))}"
+        f" bytes={sum(saved.values())}"
+    )
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
