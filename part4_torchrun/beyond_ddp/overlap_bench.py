@@ -13,17 +13,26 @@ Rank 0 prints the median of each, after / overlap (the speedup) and the share
 of the exposed communication (after - compute) that overlapping hid. A size
 that holds the whole model makes one bucket, full only when backward() ends:
 there overlap and after do the same thing, and their ratio shows the noise.
+
+With --timeline, one step of after and of overlap at the first size (on each
+rank, its timed step of median length) is also printed as a timeline, each
+rank's own clock from the step's start:
+`timeline variant=V rank=R what=W [bucket=B] start_ms=S end_ms=E` for the
+forward, backward(), each bucket's all-reduce, the wait for the sums
+(average_gradients()) and the optimizer's step. figures/draw_overlap.py draws
+it.
 """
 
 import argparse
 import os
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 import step2_buckets
 import step3_hooks
 from step3_hooks import batch, build_model, log, start_group
@@ -38,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeline", action="store_true", help="see above")
     # step 3's plain MLP (its --model mixed is for the tests)
     parser.set_defaults(model="mlp")
     args = parser.parse_args()
@@ -52,6 +62,72 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+@contextmanager
+def all_reduces_timed(events: list):
+    """Records when each dist.all_reduce starts and ends, in `events`: an
+    asynchronous one (step 3's) ends when gloo completes its future, a
+    blocking one (step 2's) when the call returns."""
+    original, chained = dist.all_reduce, []
+
+    def timed(tensor, *args, async_op=False, **kwargs):
+        row = [time.perf_counter(), None]
+        events.append(row)
+        work = original(tensor, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            row[1] = time.perf_counter()
+            return work
+
+        def done(future):
+            row[1] = time.perf_counter()
+            return future.value()
+
+        chained.append(work.get_future().then(done))
+        return work
+
+    dist.all_reduce = timed
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+        for future in chained:
+            future.wait()
+
+
+def train_step(model, optimizer, buckets, images, labels) -> list[float]:
+    """One training step; the clock at its start and after each part: the
+    forward, backward(), the wait for the sums, the optimizer's step."""
+    marks = [time.perf_counter()]
+    loss = F.cross_entropy(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    marks.append(time.perf_counter())
+    loss.backward()
+    marks.append(time.perf_counter())
+    if buckets:
+        buckets.average_gradients()
+        # step 3's hooks would fire in the next variant's backward()
+        for hook in getattr(buckets, "hooks", []):
+            hook.remove()
+    marks.append(time.perf_counter())
+    optimizer.step()
+    marks.append(time.perf_counter())
+    return marks
+
+
+def spans(marks: list[float], reduces: list) -> list[tuple]:
+    """(what, bucket, start_ms, end_ms), from the step's start."""
+    names = ("forward", "backward", "wait", "step")
+    rows = [
+        (n, None, *span)
+        for n, span in zip(names, pairwise(marks), strict=True)
+    ]
+    rows += [("bucket", i, s, e) for i, (s, e) in enumerate(reduces)]
+    ms = [
+        (n, b, 1000 * (s - marks[0]), 1000 * (e - marks[0]))
+        for n, b, s, e in rows
+    ]
+    return ms
+
+
 def main(args: argparse.Namespace) -> None:
     rank, world_size, device = start_group()
     torch.manual_seed(args.seed)
@@ -61,7 +137,7 @@ def main(args: argparse.Namespace) -> None:
         (mb, overlap) for mb in args.sizes for overlap in (False, True)
     ]
     seconds = {variant: [] for variant in [*variants, None]}
-    counts = {}
+    counts, timelines = {}, {}
     # Step 0 warms up (memory, threads) and is not counted. Every other step
     # runs the variants in reverse: none always follows the same one.
     for step in range(args.steps + 1):
@@ -73,19 +149,27 @@ def main(args: argparse.Namespace) -> None:
                 buckets = kind.ByHandDDP(model, mb)
                 counts[mb] = len(buckets.buckets)
             images, labels = batch(args, step, rank, world_size, device)
+            # the timeline: after and overlap at the first size, timed steps
+            first = [(args.sizes[0], False), (args.sizes[0], True)]
+            record = args.timeline and step > 0 and variant in first
+            reduces = []
+            timed = all_reduces_timed(reduces) if record else nullcontext()
             dist.barrier()
-            start = time.perf_counter()
-            loss = F.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if buckets:
-                buckets.average_gradients()
-                # step 3's hooks would fire in the next variant's backward()
-                for hook in getattr(buckets, "hooks", []):
-                    hook.remove()
-            optimizer.step()
+            with timed:
+                marks = train_step(model, optimizer, buckets, images, labels)
             if step:
-                seconds[variant].append(time.perf_counter() - start)
+                seconds[variant].append(marks[-1] - marks[0])
+            if record:
+                name = "overlap" if variant[1] else "after"
+                took = marks[-1] - marks[0]
+                timelines.setdefault(name, []).append(
+                    (took, spans(marks, reduces))
+                )
+    # each rank's step of median length, of each variant
+    for name, steps in timelines.items():
+        timelines[name] = sorted(steps)[len(steps) // 2][1]
+    every = [None] * world_size
+    dist.all_gather_object(every, timelines)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         log(
@@ -107,6 +191,14 @@ def main(args: argparse.Namespace) -> None:
                 f" compute_ms={compute:.2f} speedup={after / overlap:.3f}"
                 f" hidden={hidden}"
             )
+        for name in ("after", "overlap"):
+            for r, rows in enumerate(every):
+                for what, bucket, begin, end in rows.get(name, []):
+                    index = "" if bucket is None else f" bucket={bucket}"
+                    log(
+                        f"timeline variant={name} rank={r} what={what}{index}"
+                        f" start_ms={begin:.3f} end_ms={end:.3f}"
+                    )
     dist.destroy_process_group()
 
 

@@ -111,7 +111,7 @@ class ByHandDDP(nn.Module):
                 self.buckets.append([])
             self.buckets[-1].append(param)
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **kwargs):
         # by hand 1: DDP's rule for buffers (BatchNorm's statistics): rank
         # 0's are copied to all at the start of the first forward and of
         # each forward that follows one with gradients enabled (training)
@@ -119,7 +119,7 @@ class ByHandDDP(nn.Module):
             for buffer in self.module.buffers():
                 dist.broadcast(buffer, src=0)
         self.sync_buffers = torch.is_grad_enabled()
-        return self.module(*inputs)
+        return self.module(*inputs, **kwargs)
 
     def average_gradients(self) -> None:
         # by hand 1: a parameter this rank did not use has no gradient:

@@ -116,7 +116,7 @@ class ByHandDDP(nn.Module):
         hook = torch.Tensor.register_post_accumulate_grad_hook
         self.hooks = [hook(p, self.grad_ready) for p in self.params]
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **kwargs):
         # by hand 1: DDP's rule for buffers (BatchNorm's statistics): rank
         # 0's are copied to all at the start of the first forward and of
         # each forward that follows one with gradients enabled (training)
@@ -124,7 +124,7 @@ class ByHandDDP(nn.Module):
             for buffer in self.module.buffers():
                 dist.broadcast(buffer, src=0)
         self.sync_buffers = torch.is_grad_enabled()
-        return self.module(*inputs)
+        return self.module(*inputs, **kwargs)
 
     def grad_ready(self, param: torch.Tensor) -> None:
         self.ready.add(param)

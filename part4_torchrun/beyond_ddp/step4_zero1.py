@@ -116,7 +116,7 @@ class ByHandDDP(nn.Module):
         hook = torch.Tensor.register_post_accumulate_grad_hook
         self.hooks = [hook(p, self.grad_ready) for p in self.params]
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **kwargs):
         # by hand 1: DDP's rule for buffers (BatchNorm's statistics): rank
         # 0's are copied to all at the start of the first forward and of
         # each forward that follows one with gradients enabled (training)
@@ -124,7 +124,7 @@ class ByHandDDP(nn.Module):
             for buffer in self.module.buffers():
                 dist.broadcast(buffer, src=0)
         self.sync_buffers = torch.is_grad_enabled()
-        return self.module(*inputs)
+        return self.module(*inputs, **kwargs)
 
     def grad_ready(self, param: torch.Tensor) -> None:
         self.ready.add(param)
@@ -161,14 +161,12 @@ class ZeRO1(torch.optim.Optimizer):
         # by hand 4: the base class holds every parameter: its zero_grad()
         params = [p for p in params if p.requires_grad]
         super().__init__(params, settings)
-        # by hand 4: whole parameters dealt out to the ranks, the largest
-        # first, each to the rank that owns the fewest elements so far
+        # by hand 4: whole tensors, the largest first, to the rank owning least
         self.owner, owned = {}, [0] * dist.get_world_size()
         for param in sorted(params, key=torch.numel, reverse=True):
             self.owner[param] = owned.index(min(owned))
             owned[self.owner[param]] += param.numel()
-        # by hand 4: the optimizer steps this rank's parameters only, and
-        # keeps their state (Adam's moments, Adafactor's...) alone
+        # by hand 4: it steps, and keeps the state of, this rank's alone
         mine = [p for p in params if self.owner[p] == dist.get_rank()]
         self.optimizer = optimizer_class(mine, **settings)
 

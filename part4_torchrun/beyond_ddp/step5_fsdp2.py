@@ -74,8 +74,9 @@ def read_launcher_env(env=os.environ) -> tuple[int, ...]:
         sys.exit(f"error: under srun, set {sorted(needs - env.keys())}")
     torchrun = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
     srun = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
-    srun.append("SLURM_NTASKS_PER_NODE")
-    return tuple(int(env[n]) for n in (torchrun if "RANK" in env else srun))
+    names = torchrun if "RANK" in env else [*srun, "SLURM_NTASKS_PER_NODE"]
+    log("launcher: " + " ".join(f"{n}={env[n]}" for n in names))
+    return tuple(int(env[n]) for n in names)
 
 
 def build_datasets(args: argparse.Namespace, download: bool) -> tuple:
@@ -196,6 +197,12 @@ def main(args: argparse.Namespace) -> None:  # step 6
     test_set = Subset(test_set, range(rank, scored, world_size))
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, args.batch_size)
+    # step 3: the shards, gathered: how many of this rank's another rank has
+    shards = [None] * world_size
+    dist.all_gather_object(shards, set(sampler))
+    mine = shards.pop(rank)
+    shared = len(mine & set().union(*shards))
+    log(f"rank {rank}/{world_size} shard={len(sampler)} shared={shared}")
 
     model = build_model(args.model).to(device)
     # FSDP2: each rank keeps 1/world_size of every weight, gathered per block
@@ -211,7 +218,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
 
     for epoch in range(args.epochs):
         # step 3: a new shuffle every epoch, else epoch 0's order; and each
-        # rank its own crops and flips; the weights stay those DDP broadcast
+        # rank its own crops and flips; fully_shard() sends no weight: one seed
         sampler.set_epoch(epoch)
         torch.manual_seed(hash((args.seed, rank, epoch)))
         start = time.perf_counter()
@@ -229,6 +236,10 @@ def main(args: argparse.Namespace) -> None:  # step 6
         scheduler.step()
         if rank == 0:  # step 1: one line per epoch, not one per process
             log(epoch_line(epoch, args.epochs, train, test, seconds))
+    # step 2: each rank prints the norm of its model's weights: all the same
+    weights = [p.double() for p in model.parameters()]  # 12 digits: float64
+    norm = torch.nn.utils.get_total_norm(weights)
+    log(f"rank {rank}/{world_size} weights' norm {norm.item():.12g}")
     # FSDP2: all ranks gather the whole weights; rank 0 gets them, on the CPU
     full = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
     whole = dcp_state.get_model_state_dict(model, options=full)
@@ -238,6 +249,7 @@ def main(args: argparse.Namespace) -> None:  # step 6
         model.load_state_dict(whole)
         save_checkpoint(model, args.checkpoint)
         saved = torch.load(args.checkpoint, map_location="cpu")
+        log(f"checkpoint keys: {list(saved)[:3]} and {len(saved) - 3} more")
         build_model(args.model).load_state_dict(saved)
         log(f"checkpoint {args.checkpoint} loads into a bare {args.model}")
     dist.destroy_process_group()  # step 1
