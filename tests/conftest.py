@@ -333,17 +333,50 @@ def launch_at_once(
         return [future.result() for future in futures]
 
 
+def import_script(path: Path | str, name: str | None = None):
+    """A script of the repository (a path from its root, or absolute) as a module, imported once
+    per test process under `name` (default: made from its path, so that part 1's and part 4's
+    train.py stay apart): its functions without its __main__. Registered before it runs:
+    dataclasses look their module up while they are made."""
+    path = REPO / path
+    name = name or "script_" + re.sub(r"\W", "_", str(path.relative_to(REPO).with_suffix("")))
+    module = sys.modules.get(name)
+    if module is None or Path(module.__file__).resolve() != path.resolve():
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def checker():
     """The checker's report half (ddp_check.py) as a module: report(directory, returncode),
     read(directory), loaders(ranks)."""
-    module = sys.modules.get("ddp_check")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("ddp_check", CHECKER_PATH / "ddp_check.py")
-        module = importlib.util.module_from_spec(spec)
-        # registered first: its dataclasses look their module up while they are made
-        sys.modules["ddp_check"] = module
-        spec.loader.exec_module(module)
-    return module
+    return import_script(CHECKER_PATH / "ddp_check.py", "ddp_check")
+
+
+# ---- the chapters' figures: PNGs drawn by a figures/draw_<topic>.py script ---------------------
+FIGURE_WIDTH = 900  # px: 9 in at 100 dpi, a README's width
+FIGURE_MAX_HEIGHT = 550  # px: 5.5 in
+FIGURE_MAX_BYTES = 150_000
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's header."""
+    header = Path(path).read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def assert_figure(path: Path, committed: Path | None = None) -> None:
+    """A PNG that draw() wrote has the house size (900 px wide, at most 550 px high); the
+    committed one, if named, exists and stays small."""
+    width, height = png_size(path)
+    assert width == FIGURE_WIDTH and height <= FIGURE_MAX_HEIGHT, (path, width, height)
+    if committed is not None:
+        committed = REPO / committed
+        assert committed.exists(), f"{committed} is not committed"
+        assert committed.stat().st_size < FIGURE_MAX_BYTES, f"{committed} is over 150 kB"
 
 
 @pytest.fixture
@@ -409,7 +442,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def work_unit(nodeid: str) -> str:
     """Tests that share a costly set-up run in one unit, on one worker: test_failures.py's
     snapshot runs serve two of its tests, test_errors_chapter.py's launches all of its tests,
-    test_beyond_ddp.py's two runs in turn serve all of its tests, and each worker that runs Slurm
+    test_beyond_ddp.py's two runs in turn serve all of its tests, test_your_script_classes.py's
+    launches (from one warm interpreter) all of its tests, and each worker that runs Slurm
     tests starts a cluster of its own, so test_slurm.py's tests go in two units, those on one
     node and those on two (named so). Every other test is a unit of its own."""
     file, _, name = nodeid.partition("::")
@@ -417,6 +451,7 @@ def work_unit(nodeid: str) -> str:
         "tests/test_failures.py",
         "tests/test_errors_chapter.py",
         "tests/test_beyond_ddp.py",
+        "tests/test_your_script_classes.py",
     ):
         return file
     if file == "tests/test_slurm.py" and "without_slurm" not in name:
@@ -434,3 +469,51 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return work_unit(nodeid)
 
     return BigUnitsFirst(config, log)
+
+
+# ---- a warm torchrun: the agent and the ranks forked from one interpreter that imported torch ---
+
+WARM_PYTHON = [PYTHON, str(REPO / "tests" / "warm_python.py")]
+
+
+@contextlib.contextmanager
+def warm_interpreter(directory: Path, timeout: float = 120):
+    """tests/warm_python.py serving in `directory`: yields its socket's path; ended with every
+    process it forked. One thread per process, as torchrun gives each of several ranks (the
+    OpenMP runtime reads OMP_NUM_THREADS when torch is imported, in the server)."""
+    import select
+
+    path = str(directory / "socket")
+    server = subprocess.Popen(
+        [*WARM_PYTHON, "serve", path],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # "ready" once it imported torch and listens; a start-up that hangs ends here.
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        line = server.stdout.readline() if ready else "(nothing)"
+        assert line == "ready\n", f"the warm interpreter did not start within {timeout} s: {line}"
+        yield path
+    finally:
+        kill_tree(server.pid)
+        server.wait()
+
+
+def warm_torchrun(socket: str, script: str, *args: str, nproc: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N SCRIPT ARGS`, with torchrun's own code (its
+    agent, rendezvous, environment, exit status and failure report) forked from the warm
+    interpreter, and each rank too: torchrun's `--no-python` starts `warm_python.py worker`
+    in place of `python -u`. A launch then costs its own work, not three imports of torch and
+    two of torch._dynamo (about 7 CPU-s here). For launches whose processes need nothing at
+    start-up (the checker's and the probe's recorders load as each interpreter starts: those
+    launches keep the real torchrun)."""
+    spec = importlib.util.find_spec("torch")
+    run_py = str(Path(spec.submodule_search_locations[0]) / "distributed" / "run.py")
+    launcher = ["--standalone", f"--nproc_per_node={nproc}", "--no-python"]
+    return [*WARM_PYTHON, "run", socket, run_py, *launcher, *WARM_PYTHON, "worker", socket,
+            script, *args]  # fmt: skip

@@ -9,17 +9,15 @@ that imported torch once for all of them (tests/warm_python.py): a launch costs 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import select
-import struct
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TORCHRUN, Run, kill_tree, launch
+from conftest import PYTHON, REPO, TORCHRUN, Run, import_script, kill_tree, launch, png_size
 
 CHAPTER = "part4_torchrun/errors"
 README = Path(CHAPTER) / "README.md"
@@ -254,18 +252,7 @@ def test_debug_detail_names_each_ranks_own_call_not_the_others(runs: dict[str, R
 
 def draw_hang():
     """part4_torchrun/errors/figures/draw_hang.py, imported from its file."""
-    path = REPO / CHAPTER / "figures" / "draw_hang.py"
-    spec = importlib.util.spec_from_file_location("draw_hang", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) in pixels, from the PNG's header."""
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
-    return struct.unpack(">II", header[16:24])
+    return import_script(f"{CHAPTER}/figures/draw_hang.py")
 
 
 def test_flight_recorder_records_gloo_and_the_figure_shows_the_hang(

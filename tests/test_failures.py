@@ -7,7 +7,6 @@ by the teaching scripts."""
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import io
 import json
 import os
@@ -29,8 +28,10 @@ from conftest import (
     TORCHRUN,
     Probe,
     Run,
+    import_script,
     launch,
     launch_at_once,
+    png_size,
     with_environ,
 )
 from course_steps import BY_LABEL, PART1, STEP5, STEP6, STEPS
@@ -71,16 +72,6 @@ TWO_RANKS = {
     "mp.spawn": [PYTHON, STEP5, "--nprocs", "2"],
     "torchrun": [*TORCHRUN_2, STEP6],
 }
-
-
-def import_script(path: str) -> ModuleType:
-    """A teaching script as a module, to call one of its functions (its main() does not run)."""
-    spec = importlib.util.spec_from_file_location(
-        f"script_{Path(path).parent.name}_{Path(path).stem}", REPO / path
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def assert_one_clear_line(stderr: str, *expected: str) -> None:
@@ -327,13 +318,6 @@ def test_batchnorm_evaluation_with_uneven_batch_counts(restarted_and_reference) 
     assert [e["test_samples"] for e in reference.epochs()] == [66] * EPOCHS, (
         "every test image scored once"
     )
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) in pixels, from the PNG's header."""
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
-    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
 @pytest.mark.slow  # shares the runs above

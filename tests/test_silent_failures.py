@@ -3,14 +3,14 @@
 --fix (a hang ended by the gloo timeout; running statistics that differ, so losses that differ)
 and with it (replicas equal; buffers and losses equal), the launches of a script at once; the
 tests assert the numbers and the messages the scripts print. wrapper.py's full_batch effect runs
-in the test process, for each rank of 2 and for a world of one."""
+in the test process, for each rank of 2 and for a world of one, and so does its forward_device
+effect."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
-from conftest import REPO, TORCHRUN_2, YOUR_SCRIPT, Run, launch_at_once
+from conftest import TORCHRUN_2, YOUR_SCRIPT, Run, import_script, launch_at_once
 
 # Seconds per launch; healthy ones take 10-20 s on a loaded 2-core machine.
 TIMEOUT = 180
@@ -138,9 +138,7 @@ def test_running_statistics_differ_after_training_and_agree_once_averaged_or_bro
 
 
 def test_a_view_with_the_configured_batch_size_fails_on_a_shards_shorter_last_batch() -> None:
-    spec = importlib.util.spec_from_file_location("wrapper", REPO / YOUR_SCRIPT / "wrapper.py")
-    wrapper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wrapper)
+    wrapper = import_script(f"{YOUR_SCRIPT}/wrapper.py")
     # One device: 12 samples make three full batches of 4, so the habit works.
     for fix in (False, True):
         assert wrapper.full_batch(fix, rank=0, world_size=1) == "ok rows=[4, 4, 4]"
@@ -150,3 +148,15 @@ def test_a_view_with_the_configured_batch_size_fails_on_a_shards_shorter_last_ba
             "error=RuntimeError: shape '[4, -1]' is invalid for input of size 18"
         )
         assert wrapper.full_batch(True, rank=rank, world_size=2) == "ok rows=[4, 2]"
+
+
+# ---- wrapper.py: a tensor made inside forward without a device ---------------------------------
+
+
+def test_a_tensor_made_in_forward_without_a_device_lands_on_the_cpu() -> None:
+    wrapper = import_script(f"{YOUR_SCRIPT}/wrapper.py")
+    # The meta device stands in for a GPU: the mask made without a device is a CPU tensor.
+    assert wrapper.forward_device(False) == (
+        "made_on=cpu error=RuntimeError: Tensor on device cpu is not on the expected device meta!"
+    )
+    assert wrapper.forward_device(True) == "ok made_on=meta"
