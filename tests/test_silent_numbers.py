@@ -2,24 +2,34 @@
 at random in each process (random_seed.py) and a loss summed over the batch (summed_loss.py).
 Each script runs twice under torchrun, without --fix and with it, the two launches at once; the
 tests assert the numbers the scripts measure (random_seed.py under the chapter's checker, which
-must name the samplers' seeds)."""
+must name the samplers' seeds), and the shards' figure is drawn from random_seed.py's runs."""
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
-from conftest import CHECKER_COMMAND, TORCHRUN_2, YOUR_SCRIPT, Run, launch, launch_at_once
+from conftest import (
+    CHECKER_COMMAND,
+    TORCHRUN_2,
+    YOUR_SCRIPT,
+    Run,
+    assert_figure,
+    import_script,
+    launch,
+    launch_at_once,
+)
 
 # Seconds per launch; healthy ones take 10-20 s on a loaded 2-core machine.
 TIMEOUT = 180
 
 
-def without_and_with_fix(script: str, checked: bool = False) -> dict[bool, Run]:
-    """fix -> the run of `script` on 2 gloo ranks, the two launched at once; checked: under the
-    chapter's checker (its exit status is 1 when a check fails)."""
+def without_and_with_fix(script: str, *args: str, checked: bool = False) -> dict[bool, Run]:
+    """fix -> the run of `script ARGS` on 2 gloo ranks, the two launched at once; checked: under
+    the chapter's checker (its exit status is 1 when a check fails)."""
     commands = [
-        [*(CHECKER_COMMAND if checked else []), *TORCHRUN_2, f"{YOUR_SCRIPT}/{script}", *fix]
+        [*(CHECKER_COMMAND if checked else []), *TORCHRUN_2, f"{YOUR_SCRIPT}/{script}", *args, *fix]
         for fix in ([], ["--fix"])
     ]
     unfixed, fixed = launch_at_once(commands, timeout=TIMEOUT, check=not checked)
@@ -54,8 +64,10 @@ def seeds_of(run: Run) -> dict[int, int]:
     return seeds
 
 
-def test_a_seed_drawn_in_each_process_overlaps_the_shards_and_rank_0s_seed_does_not() -> None:
-    runs = without_and_with_fix("random_seed.py", checked=True)
+def test_a_seed_drawn_in_each_process_overlaps_the_shards_and_rank_0s_seed_does_not(
+    tmp_path: Path,
+) -> None:
+    runs = without_and_with_fix("random_seed.py", "--show-shards", checked=True)
     # With --fix: rank 0's seed on both ranks, disjoint shards that cover the data set.
     fixed = runs[True]
     assert fixed.returncode == 0, fixed.describe()
@@ -69,7 +81,7 @@ def test_a_seed_drawn_in_each_process_overlaps_the_shards_and_rank_0s_seed_does_
     unfixed = runs[False]
     seeds = seeds_of(unfixed)
     if seeds[0] == seeds[1]:
-        command = [*CHECKER_COMMAND, *TORCHRUN_2, f"{YOUR_SCRIPT}/random_seed.py"]
+        command = [*CHECKER_COMMAND, *TORCHRUN_2, f"{YOUR_SCRIPT}/random_seed.py", "--show-shards"]
         unfixed = launch(command, timeout=TIMEOUT, check=False)
         seeds = seeds_of(unfixed)
     assert seeds[0] != seeds[1], unfixed.describe()
@@ -87,6 +99,22 @@ def test_a_seed_drawn_in_each_process_overlaps_the_shards_and_rank_0s_seed_does_
     assert both == number(unfixed, r"\bon_no_rank=(\d+)"), unfixed.describe()
     # The count is the real overlap of the two samplers with the seeds the ranks printed.
     assert both == overlap(seeds, 128), (seeds, unfixed.describe())
+
+    # The figure: each rank's shard as printed, the overlap counted above, none with --fix.
+    figure = import_script(f"{YOUR_SCRIPT}/figures/draw_shards.py")
+    plotted = {"own": figure.parse(unfixed.stdout), "agreed": figure.parse(fixed.stdout)}
+    from torch.utils.data import DistributedSampler
+
+    for key, run in (("own", unfixed), ("agreed", fixed)):
+        data = plotted[key]
+        assert data["seeds"] == seeds_of(run) and data["samples"] == 128
+        for rank, shard in data["shards"].items():
+            drawn = DistributedSampler(range(128), 2, rank, seed=data["seeds"][rank])
+            assert shard == list(drawn), "the shard as the rank's sampler draws it"
+        rows = {label.split(":")[0]: samples for label, _, samples in figure.strips(data)}
+        assert len(rows["on both"]) == len(rows["on none"]) == (both if key == "own" else 0)
+    figure.draw(plotted, tmp_path / "shards.png")
+    assert_figure(tmp_path / "shards.png", f"{YOUR_SCRIPT}/figures/shards.png")
 
 
 def test_a_summed_loss_halves_the_gradient_on_two_ranks_and_the_world_size_restores_it() -> None:

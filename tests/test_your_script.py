@@ -289,6 +289,13 @@ def test_wrapper_effects_fail_the_single_device_way_and_pass_the_ddp_way() -> No
             " written-to tensor refer to a single memory location. Please clone() the tensor"
         ), buffers
     assert unfixed["dropout"] == ["same_mask_on_every_rank=True"]
+    # The transposed buffer beside BatchNorm's: copied with them, it passes.
+    assert unfixed["buffers_beside"] == ["ok forward_sync_buffers=True"]
+    # A checkpoint of the wrapper's weights on every rank: two writers, `module.` keys.
+    assert unfixed["checkpoint"] == [
+        'writers=2 error=RuntimeError: Missing key(s) in state_dict: "pe", "linear.weight",'
+        ' "linear.bias".'
+    ]
     (device,) = unfixed["device"]
     built, usable = torch.accelerator.current_accelerator(), torch.accelerator.is_available()
     if built is not None and not usable:
@@ -317,6 +324,8 @@ def test_wrapper_effects_fail_the_single_device_way_and_pass_the_ddp_way() -> No
     assert fixed["buffers"] == ["ok forward_sync_buffers=False"]
     assert fixed["buffers_remade"] == ["ok forward_sync_buffers=True"], "or a buffer made plainly"
     assert fixed["dropout"] == ["same_mask_on_every_rank=False"]
+    assert fixed["buffers_beside"] == ["ok forward_sync_buffers=True"]
+    assert fixed["checkpoint"] == ["writers=1 ok loads into a bare Net"]
     assert fixed["device"] == [
         f"device={built if usable else 'cpu'} backend={'nccl' if usable else 'gloo'} ok"
     ]
@@ -360,6 +369,19 @@ def test_checker_reports_loaders_that_every_rank_reads_whole_and_refuses_bad_inp
     for args in ([], ["--report", str(tmp_path / "missing")]):
         run = launch([*CHECKER_COMMAND, *args], timeout=TIMEOUT, check=False)
         assert run.returncode == 2 and "error:" in run.stderr and "Traceback" not in run.stderr
+    # Without torchrun on PATH: the same launch through Python's module, in one line.
+    run = launch(
+        [*CHECKER_COMMAND, "--deadline", "5", "torchrun", "--standalone", "my script.py"],
+        timeout=TIMEOUT,
+        check=False,
+        env={"PATH": str(empty)},
+    )
+    assert run.returncode == 2, run.describe()
+    assert run.stderr.splitlines()[-1] == (
+        "ddp_check.py: error: cannot run 'torchrun': not on PATH; Python's module is the same"
+        f" launcher: python {CHECKER_COMMAND[1]} --deadline 5 {PYTHON} -m torch.distributed.run"
+        " --standalone 'my script.py'"
+    ), run.describe()
 
 
 # ---- the checker on planted ports: buffers, draws, seeds, duplicates, deadlines, signals -------
@@ -367,18 +389,23 @@ def test_checker_reports_loaders_that_every_rank_reads_whole_and_refuses_bad_inp
 # Seconds per launch of the tests below (a loaded 2-core machine: 8-20 s each).
 SLOW = 180
 # A port's mistakes, in one script: BatchNorm statistics left as each rank's, noise drawn in
-# forward from one seed for all, a DistributedSampler seeded by rank; and what is right but was
-# misread: a rank-0-first barrier, a data set whose rows come in identical pairs, the wrapper
-# dropped before the end. --fix: seed + rank after building the model, one sampler seed,
-# rank 0's buffers broadcast at the end.
+# forward from one seed for all, a DistributedSampler seeded by rank, a frozen loss network
+# whose weights rank 0 alone loads, a checkpoint every rank writes from the wrapper; and what is
+# right but was misread: a rank-0-first barrier, a data set whose rows come in identical pairs,
+# an evaluation tail scored on every rank. Without --fix the script never calls
+# destroy_process_group() and drops its model and loss network with main(); the test launches
+# it with `python -m torch.distributed.run`. --fix: seed + rank after building the model, one
+# sampler seed, rank 0's buffers broadcast at the end, the loss network loaded on every rank,
+# rank 0 saving the module's state_dict, the tail scored after the all-reduce.
 PLANTED = """\
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  (before init_process_group: a clean exit)
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 fix = "--fix" in sys.argv
 dist.init_process_group("gloo")
@@ -396,28 +423,98 @@ class Noisy(torch.nn.Module):
         return self.norm(self.lin(x) + torch.randn(x.shape[0], 4))
 
 
-model = DDP(Noisy())
-if fix:
-    torch.manual_seed(0 + rank)  # the seed, 0, plus the rank
-if rank == 0:
-    dist.barrier()  # rank 0 first
-else:
-    dist.barrier()  # the others after it
-rows = torch.arange(8.0).repeat_interleave(2)[:, None].expand(16, 4).contiguous()
-data = TensorDataset(rows)
-alike = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
-seeded = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=0 if fix else rank))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for loader in (alike, seeded):
-    for (x,) in loader:
+def main():
+    model = DDP(Noisy())
+    critic = torch.nn.Linear(4, 1).requires_grad_(False)  # a frozen loss network
+    if fix or rank == 0:  # its weights, on every rank or on rank 0 alone
+        critic.load_state_dict({"weight": torch.ones(1, 4), "bias": torch.zeros(1)})
+    if fix:
+        torch.manual_seed(0 + rank)  # the seed, 0, plus the rank
+    if rank == 0:
+        dist.barrier()  # rank 0 first
+    else:
+        dist.barrier()  # the others after it
+    rows = torch.arange(8.0).repeat_interleave(2)[:, None].expand(16, 4).contiguous()
+    data = TensorDataset(rows)
+    alike = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+    seed = 0 if fix else rank
+    seeded = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for loader in (alike, seeded):
+        for (x,) in loader:
+            optimizer.zero_grad()
+            critic(model(x)).pow(2).mean().backward()
+            optimizer.step()
+    if fix:
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
+    path = Path(__file__).with_name("fixed.pt" if fix else "unfixed.pt")
+    if not fix:
+        torch.save(model.state_dict(), path)  # every rank, the wrapper's keys
+    elif rank == 0:
+        torch.save(model.module.state_dict(), path)  # rank 0, the model's keys
+    # Scored: 5 rows, 2 on each rank, and the 5th, the tail, on every rank.
+    scored = TensorDataset(rows[:5])
+    shard = DistributedSampler(scored, shuffle=False, drop_last=True)
+    loaders = DataLoader(scored, sampler=shard), DataLoader(Subset(scored, [4]))
+    model.module.eval()
+    sums = torch.zeros(2)
+    with torch.no_grad():
+        for loader in loaders:
+            if fix and loader is loaders[1]:
+                dist.all_reduce(sums)  # the shards' sums, then the tail
+            for (x,) in loader:
+                sums += torch.stack([critic(model.module(x)).sum(), torch.tensor(1.0)])
+    if not fix:
+        dist.all_reduce(sums)  # the tail in the sum: counted on both ranks
+    print(f"rank={rank} scored={sums[1].item():g}")
+    model = model.module
+    if fix:
+        dist.destroy_process_group()
+
+
+main()  # without --fix: the model and the loss network go with main()
+"""
+# A port that forgot DDP: each rank trains its own model on its shard, from a data set that
+# draws each pair's partner from numpy's generator in __getitem__ (one seed for all ranks); it
+# never calls destroy_process_group() and drops its model with main().
+UNWRAPPED = """\
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before init_process_group: a clean exit)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+np.random.seed(0)
+
+
+class Pairs(Dataset):
+    # row i and a partner drawn at random: a siamese network's pairs
+    def __init__(self):
+        self.rows = torch.linspace(0, 1, 16)[:, None].expand(16, 4).contiguous()
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        partner = np.random.randint(len(self.rows))  # numpy's global generator
+        return torch.stack([self.rows[index], self.rows[partner]])
+
+
+def main():
+    data = Pairs()
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data))
+    model = torch.nn.Linear(4, 1)  # each rank's own: no DDP
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for pairs in loader:
         optimizer.zero_grad()
-        model(x).sum().backward()
+        model(pairs).pow(2).mean().backward()
         optimizer.step()
-if fix:
-    for buffer in model.module.buffers():
-        dist.broadcast(buffer, 0)
-model = model.module
-dist.destroy_process_group()
+
+
+main()
 """
 # Hangs without a timeout of their own: `barrier`: rank 0 waits in a barrier while the other
 # ranks sleep; `sleep`: every rank sleeps, in no collective.
@@ -460,39 +557,122 @@ def checked(*commands: list[str], env: dict[str, str] | None = None) -> list[Run
     return launch_at_once(commands_checked, timeout=SLOW, check=False, at_once=2, envs=envs)
 
 
-def saved_difference(records: Path, key: str) -> tuple[list[str], float]:
-    """From the recorder's end records of model 0: the tensors (`key`: saved, saved_buffers)
-    that differ between the 2 ranks, and their largest difference."""
+def saved_difference(records: Path, key: str, event: str = "end") -> tuple[list[str], float]:
+    """From the recorder's last `event` record (end: model 0's; state: a module DDP does not
+    wrap) on each of the 2 ranks: the tensors (`key`: saved, saved_buffers) that differ between
+    them, and their largest difference."""
     import torch
 
     ranks, _ = checker().read(records)
-    a, b = (torch.load(r.of("end")[0][key], weights_only=True) for r in ranks)
+    a, b = (torch.load(r.of(event)[-1][key], weights_only=True) for r in ranks)
     differing = [n for n in a if not torch.equal(a[n], b[n])]
     drift = max(((a[n].double() - b[n].double()).abs().max().item() for n in differing), default=0)
     return differing, drift
 
 
-def test_checker_sees_buffers_draws_and_sampler_seeds_and_not_duplicates_or_barrier_lines(
+def test_checker_on_a_planted_port_sees_every_module_checkpoints_evaluation_and_seeds(
     tmp_path: Path,
 ) -> None:
+    import torch
+
     script, lines = planted(tmp_path, "planted.py", PLANTED)
     records = {fix: tmp_path / f"records_{fix}" for fix in (False, True)}
+    # Without --fix through Python's module, the launcher without torchrun on PATH.
+    launcher = {False: [PYTHON, "-m", "torch.distributed.run", *TORCHRUN_2[1:]], True: TORCHRUN_2}
     unfixed, fixed = checked(
         *(
-            ["--keep", str(records[fix]), "--draws", *TORCHRUN_2, script, *(["--fix"] * fix)]
+            ["--keep", str(records[fix]), "--draws", *launcher[fix], script, *(["--fix"] * fix)]
             for fix in (False, True)
         )
     )
     assert unfixed.returncode == 1, unfixed.describe()
     assert fixed.returncode == 0, fixed.describe()
     found = {False: report(unfixed), True: report(fixed)}
+    # 5 rows scored: without --fix the tail went into the sum on both ranks, so 6.
+    for fix, scored in ((False, 6), (True, 5)):
+        for rank in (0, 1):
+            assert f"rank={rank} scored={scored}" in (fixed if fix else unfixed).stdout
 
-    # The wrapper dropped (model = model.module) before destroy_process_group: still recorded.
+    # The model: recorded at destroy_process_group() (after model = model.module), or, where
+    # the script never calls it, as main() let the model go, before exit.
+    assert found[True]["replicas equal (model 0, Noisy)"] == (
+        "ok",
+        "4 parameter tensors bit-equal on all 2 ranks at the end",
+    ), found[True]
+    assert found[False]["replicas equal (model 0, Noisy)"] == (
+        "ok",
+        "4 parameter tensors bit-equal on all 2 ranks at the end (recorded when the script let"
+        " it go)",
+    ), found[False]
+    for r in checker().read(records[False])[0]:
+        (end,) = r.of("end")
+        assert end["when"] == "collected" and end["time"] < r.of("exit")[0]["time"]
+
+    # The frozen loss network: one module DDP does not wrap (the model's own Linear and
+    # BatchNorm are not listed); rank 0 alone loaded its weights.
+    built = lines["a frozen loss network"]
+    critic = f"unwrapped module equal (Linear, built at planted.py:{built})"
     for fix in (False, True):
-        assert found[fix]["replicas equal (model 0, Noisy)"] == (
-            "ok",
-            "4 parameter tensors bit-equal on all 2 ranks at the end",
-        ), found[fix]
+        assert [n for n in found[fix] if n.startswith("unwrapped")] == [critic], found[fix]
+    differing, drift = saved_difference(records[False], "saved", "state")
+    assert differing == ["weight", "bias"] and drift > 0, differing
+    assert found[False][critic] == (
+        "FAIL",
+        "2 of 2 tensors differ at the end (recorded when the script let it go), first 'weight';"
+        f" max |difference| between ranks {drift:.4g}: DDP neither copies nor compares a module"
+        " it does not wrap: build or load it alike on every rank, before any seed of each"
+        " rank's own, or broadcast rank 0's tensors",
+    )
+    assert found[True][critic] == (
+        "ok",
+        "2 parameter and 0 buffer tensors bit-equal on all 2 ranks at the end",
+    )
+    # The optimizer steps the wrapped model's parameters alone: no line about gradients.
+    for fix in (False, True):
+        assert not [n for n in found[fix] if n.startswith("gradients averaged")], found[fix]
+
+    # The checkpoint: every rank writes the wrapper's keys, which a bare model refuses; or rank 0
+    # writes the module's.
+    saved = torch.load(tmp_path / "unfixed.pt", weights_only=True)
+    assert all(key.startswith("module.") for key in saved), list(saved)
+    bare = torch.nn.Module()
+    bare.lin, bare.norm = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "lin.weight"'):
+        bare.load_state_dict(saved)
+    bare.load_state_dict(torch.load(tmp_path / "fixed.pt", weights_only=True))
+    assert found[False]["checkpoints"] == (
+        "FAIL",
+        "1 file(s) written by more than one rank (first 'unfixed.pt', by ranks [0, 1]): they"
+        " write one file at once and a reader may find it half written; save on rank 0 alone"
+        " (if rank == 0), and make the others wait (dist.barrier()) before they read it;"
+        f" 'unfixed.pt' holds {len(saved)} keys that start with 'module.' (first"
+        " 'module.lin.weight'): the DDP wrapper's state_dict, which the bare model's"
+        " load_state_dict refuses; save model.module.state_dict()",
+    )
+    assert found[True]["checkpoints"] == (
+        "ok",
+        "1 file(s) written, each by one rank (rank(s) [0]), none with 'module.' keys",
+    )
+
+    # The evaluation: no training step follows its loaders' batches; the tail, scored on both
+    # ranks, is counted, and told apart: summed on both, or scored after the all-reduce.
+    shard = "loader samples disjoint (loader 2, TensorDataset, DistributedSampler, evaluation)"
+    tail = "loader samples disjoint (loader 3, TensorDataset, SequentialSampler, evaluation)"
+    counted = "1 samples over 1 pass(es); 1 scored on more than one rank in 1 pass(es)"
+    summed = lines["the tail in the sum: counted on both ranks"]
+    assert found[False][tail] == (
+        "ok",
+        f"{counted}, then summed (rank 0's all_reduce at planted.py:{summed}): each counts once"
+        " per rank that scored it; right only when every rank scores every sample and divides"
+        " by the all-reduced count, else score them after the all-reduce, or on one rank",
+    )
+    assert found[True][tail] == (
+        "ok",
+        f"{counted}, none summed across the ranks after it: each rank scored them for itself"
+        " (the whole set on every rank, or a tail after the all-reduce), not a failure",
+    )
+    for fix in (False, True):
+        assert found[fix][shard] == ("ok", "4 samples over 1 pass(es)")
 
     # BatchNorm's running statistics: each rank's own after its last batch (num_batches_tracked,
     # broadcast by DDP before each forward, agrees); the checker measures what the files hold.
@@ -561,13 +741,59 @@ def test_checker_sees_buffers_draws_and_sampler_seeds_and_not_duplicates_or_barr
         f" rank 0 at planted.py:{lines['rank 0 first']}, rank 1 at"
         f" planted.py:{lines['the others after it']})"
     )
-    for fix, calls in ((False, 1), (True, 4)):
+    for fix, calls in ((False, 2), (True, 5)):
         status, detail = found[fix]["same collectives"]
         assert status == "ok" and detail.startswith(f"{calls} on every rank"), detail
         assert detail.endswith(moved), detail
-    # What every rank must pass alike to broadcast is recorded: dtype, shape, src.
-    broadcasts = [e["args"] for e in checker().read(records[True])[0][1].of("collective")][1:]
-    assert broadcasts == ["float32[4], src=0", "float32[4], src=0", "int64[], src=0"]
+    # What every rank must pass alike to broadcast and all_reduce: dtype, shape, src, op.
+    agreed = [e["args"] for e in checker().read(records[True])[0][1].of("collective")][1:]
+    assert agreed == [
+        *("float32[4], src=0", "float32[4], src=0", "int64[], src=0"),
+        "float32[2], op=SUM",
+    ]
+
+
+def test_checker_fails_a_port_that_forgot_ddp_and_names_draws_in_getitem(tmp_path: Path) -> None:
+    script, lines = planted(tmp_path, "unwrapped.py", UNWRAPPED)
+    records = tmp_path / "records"
+    (run,) = checked(["--keep", str(records), *TORCHRUN_2, script])
+    assert run.returncode == 1, run.describe()
+    found = report(run)
+    assert found["replicas equal"] == ("--", "no module was wrapped in DistributedDataParallel")
+    # Each rank's optimizer stepped the model with the rank's own gradients: 8 samples a rank,
+    # 2 steps of 4; the model, dropped with main() without destroy_process_group(), differs.
+    built = lines["each rank's own: no DDP"]
+    model = f"Linear, built at unwrapped.py:{built}"
+    assert found[f"gradients averaged ({model})"] == (
+        "FAIL",
+        "no DDP model trained: its optimizer (SGD) stepped 2 parameters that no DDP-wrapped"
+        " module holds (first 'weight'), with no collective"
+        " between the backward and the step at 2 of 2 steps on rank 0, and other gradients on"
+        " each rank, first at step 1: each rank trained its own copy: wrap the model in"
+        " DistributedDataParallel (or all-reduce those gradients before the step)",
+    )
+    differing, drift = saved_difference(records, "saved", "state")
+    assert differing == ["weight", "bias"] and drift > 0, differing
+    model = f"unwrapped module equal ({model})"
+    assert found[model] == (
+        "FAIL",
+        "2 of 2 tensors differ at the end (recorded when the script let it go), first 'weight';"
+        f" max |difference| between ranks {drift:.4g}: each rank trained it with its own"
+        " gradients (see gradients averaged): wrap it in DistributedDataParallel",
+    )
+    # The pairs' partners come from numpy's generator: the indices are disjoint, the samples
+    # not known to be.
+    assert found["loader samples disjoint (loader 0, Pairs, DistributedSampler)"] == (
+        "ok",
+        "16 samples over 1 pass(es); Pairs drew from numpy in __getitem__: the index alone does"
+        " not choose its sample, so disjoint indices do not prove disjoint samples",
+    )
+    assert (
+        "ddp_check:   - what the data sets that draw in __getitem__ chose: Pairs (numpy); where"
+        " the draw chooses the sample, disjoint indices are not disjoint samples, and"
+        " torch.manual_seed seeds neither python's random nor numpy outside the loader's worker"
+        " processes (the DataLoader seeds all three in each worker)"
+    ) in run.stdout.splitlines(), run.stdout
 
 
 def test_checker_deadline_ends_a_hang_in_a_collective_and_one_outside_any(tmp_path: Path) -> None:
@@ -677,8 +903,8 @@ def test_checker_hints_from_records_alone_sampler_arguments_collective_arguments
     found = {c.name: (c.status, c.detail) for c in checker().report(tmp_path)[1]}
     assert found["replicas equal (model 0, Net)"] == (
         "--",
-        "rank(s) [1] let the wrapped module go before destroy_process_group() or exit, so"
-        " nothing was left to record: keep a reference to it until then",
+        "rank(s) [1] let the wrapped module go unrecorded (its class has a __del__ of its own):"
+        " keep a reference to it until destroy_process_group()",
     )
     assert "buffers equal (model 0, Net)" not in found, "no end record on every rank: no check"
     assert found["loader samples disjoint (loader 0, MNIST, DistributedSampler)"] == (
@@ -699,3 +925,108 @@ def test_checker_hints_from_records_alone_sampler_arguments_collective_arguments
         "collective 1: rank 0 all_reduce(float32[4], op=SUM) at a.py:7 after 0 training"
         " forwards; rank 1 all_reduce(float32[5], op=SUM) at a.py:7 after 0 training forwards",
     )
+
+
+def test_checker_from_records_alone_rows_drawn_in_getitem_gradients_by_hand_and_hosts(
+    tmp_path: Path,
+) -> None:
+    # Records as the recorder writes them (no launch). Loader 0 (Rows) hands rank r index r,
+    # loader 1 (Pairs) index 2 + r; both ranks train on row "a" from Rows (a duplicate in the
+    # data set) and row "b" from Pairs, whose loader worker (a file with no process group)
+    # recorded draws from python's random. One optimizer steps a parameter outside DDP after an
+    # all_reduce between backward and step; a reference model gets the same gradients on both
+    # ranks, a discriminator left out of DDP other ones; each rank writes last.pt on its own
+    # host; rank 0 alone built an EMA copy.
+    for rank in (0, 1):
+        events = [
+            {"event": "init", "rank": rank, "world_size": 2, "backend": "gloo"},
+            {"event": "wrap", "rank": rank, "model": 0, "module": "Net"},
+            *(ev for loader, row in ((0, "a"), (1, "b")) for ev in (
+                {"event": "batch", "rank": rank, "loader": loader, "pass": 0,
+                 "samples": [2 * loader + rank], "rows": [row], "sampler": "DistributedSampler",
+                 "dataset": ("Rows", "Pairs")[loader]},
+                {"event": "forward", "rank": rank, "model": 0, "training": True, "rows": [row],
+                 "pass": [loader, 0]},
+                {"event": "collective", "rank": rank, "name": "all_reduce", "file": "hand.py",
+                 "line": 9, "forwards": 1 + loader, "args": "float32[1], op=SUM",
+                 "window": True},
+                {"event": "step", "rank": rank, "optimizer": 0, "kind": "Adam", "graded": 3,
+                 "outside": 1, "first": "scale", "collectives": 1,
+                 "pass": [loader, 0]},
+            )),
+            *({"event": "step", "rank": rank, "optimizer": number, "kind": "SGD", "graded": 2,
+               "outside": 2, "trains": trains, "first": "fc.weight", "collectives": 0,
+               "grads": grads, "pass": [1, 0]}
+              for number, trains, grads in ((1, "Net, built at ref.py:5", "same"),
+                                            (2, "Head, built at gan.py:7", f"own{rank}"))),
+            {"event": "save", "rank": rank, "path": "/runs/last.pt", "host": f"node{rank}",
+             "module_keys": 0, "first_key": None, "wrapper": False},
+            *([{"event": "state", "rank": rank, "key": "Net, built at ema.py:3", "module": "Net",
+                "site": "ema.py:3", "params": [["w", "ab"]], "buffers": [], "saved": None,
+                "saved_buffers": None, "when": "end"}] if rank == 0 else []),
+            {"event": "exit", "rank": rank},
+        ]  # fmt: skip
+        worker = {
+            "event": "dataset_draws",
+            "rank": rank,
+            "dataset": "Pairs",
+            "generators": ["random"],
+        }
+        (tmp_path / f"{100 + rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        (tmp_path / f"{200 + rank}.jsonl").write_text(json.dumps(worker) + "\n")
+    lines, checks = checker().report(tmp_path)
+    found = {c.name: (c.status, c.detail) for c in checks}
+    assert found["inputs disjoint"] == (
+        "ok",
+        "2 distinct rows (dim 0 of forward's first input) in 4; none went to two ranks in one"
+        " epoch (a loader's pass, else a step); 1 rows came to more than one rank under different"
+        " data-set indices: possible duplicates in the data set, not shared samples; 1 rows came"
+        " to more than one rank under different indices of Pairs, which drew from random in"
+        " __getitem__: the index does not choose the sample there, so each may be one sample"
+        " drawn on two ranks",
+    )
+    assert found["loader samples disjoint (loader 1, Pairs, DistributedSampler)"] == (
+        "ok",
+        "2 samples over 1 pass(es); Pairs drew from random in __getitem__: the index alone does"
+        " not choose its sample, so disjoint indices do not prove disjoint samples",
+    )
+    assert found["loader samples disjoint (loader 0, Rows, DistributedSampler)"] == (
+        "ok",
+        "2 samples over 1 pass(es)",
+    )
+    assert any(line.startswith("  - what the data sets that draw in __getitem__ chose: Pairs"
+                               " (random); ") for line in lines), lines  # fmt: skip
+    assert found["gradients averaged (optimizer 0, Adam)"] == (
+        "ok",
+        "its optimizer (Adam) stepped 1 parameters that no DDP-wrapped module holds (first"
+        " 'scale'); a collective ran between each backward and the step (all_reduce at"
+        " hand.py:9 x2): averaged by hand (what the collectives sum is not checked; unwrapped"
+        " module equal compares the result)",
+    )
+    assert found["gradients averaged (Net, built at ref.py:5)"] == (
+        "ok",
+        "its optimizer (SGD) stepped 2 parameters that no DDP-wrapped module holds (first"
+        " 'fc.weight'), with no collective between the backward and the step, but the same"
+        " gradients on every rank at all 1 steps: each rank repeats one training beside the DDP"
+        " model's (a one-process reference), not split between the ranks",
+    )
+    assert found["gradients averaged (Head, built at gan.py:7)"] == (
+        "FAIL",
+        "its optimizer (SGD) stepped 2 parameters that no DDP-wrapped module holds (first"
+        " 'fc.weight'), with no collective between the backward and the step at 1 of 1 steps on"
+        " rank 0, and other gradients on each rank, first at step 1: each rank trained its own"
+        " copy: wrap the model in DistributedDataParallel (or all-reduce those gradients before"
+        " the step)",
+    )
+    assert found["checkpoints"] == (
+        "ok",
+        "1 file(s) written, each by one rank (rank(s) [0, 1]), none with 'module.' keys; 1"
+        " written on several hosts, by one rank on each: one file if the folder is shared"
+        " between them",
+    )
+    # Nothing to compare a module of rank 0's own with: listed as not checked.
+    assert not [name for name in found if name.startswith("unwrapped")], found
+    assert (
+        "  - modules that DDP does not wrap, recorded on some ranks only: Net, built at ema.py:3"
+        " (rank(s) [0])"
+    ) in lines, lines

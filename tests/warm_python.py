@@ -12,6 +12,14 @@ the server, so the script's output is the client's, and exits with the script's 
 N for signal N, as a shell says it). Killing the client kills the script and every process in
 its session: the forked child watches the client's connection and ends the session when it
 closes.
+
+    python tests/warm_python.py worker SOCKET SCRIPT ARGS  # `run`, ended with its parent
+
+`worker` is `run` for a client that a launcher starts, one per rank: torchrun's agent, given
+`--no-python PYTHON tests/warm_python.py worker SOCKET` before the script, starts each rank as
+such a client, so the ranks are forked from the warm interpreter too (conftest.warm_torchrun).
+The agent starts each worker in a session of its own; the client dies with the agent (Linux's
+parent-death signal), so an agent killed on a timeout takes its ranks along.
 """
 
 from __future__ import annotations
@@ -37,6 +45,18 @@ def run(path: str, argv: list[str]) -> int:
         print("warm_python: the server ended the script without a status", file=sys.stderr)
         return 1
     return int(reply)
+
+
+def worker(path: str, argv: list[str]) -> int:
+    """A launcher's worker: `run`, and SIGKILL when the launcher that started it dies
+    (PR_SET_PDEATHSIG; the parent that died before the call is checked after it)."""
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        return 128 + signal.SIGKILL
+    return run(path, argv)
 
 
 def script_main(request: dict, fds: list[int]) -> None:
@@ -137,5 +157,7 @@ if __name__ == "__main__":
     mode, socket_path, *rest = sys.argv[1:]
     if mode == "serve":
         serve(socket_path)
+    elif mode == "worker":
+        sys.exit(worker(socket_path, rest))
     else:
         sys.exit(run(socket_path, rest))

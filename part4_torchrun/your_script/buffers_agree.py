@@ -2,10 +2,11 @@
 
 A small regression with two BatchNorm layers, trained with DDP on 2 ranks,
 each on its own shard. DDP copies rank 0's buffers to every rank at the start
-of each training forward, then each rank's forward updates its own: after
-training, the running statistics differ. Without --fix each rank evaluates
-its own, and rank 0 saves its own; with --fix the ranks first average them
-(--fix broadcast: take rank 0's).
+of each training forward (of the first forward after the wrap, and of any
+forward after one with gradients on; train or eval mode plays no part), then
+each rank's forward updates its own: after training, the running statistics
+differ. Without --fix each rank evaluates its own, and rank 0 saves its own;
+with --fix the ranks first average them (--fix broadcast: take rank 0's).
 
     torchrun --standalone --nproc_per_node=2 buffers_agree.py
     torchrun --standalone --nproc_per_node=2 buffers_agree.py --fix
@@ -152,7 +153,8 @@ def main(args: argparse.Namespace) -> None:
         log(f"checkpoint loss={evaluate(saved, held_x, held_y):.6f}")
 
     # Through the wrapper, on every rank: the first forward after a training
-    # forward copies rank 0's buffers to every rank before it computes.
+    # forward copies rank 0's buffers to every rank before it computes (in
+    # eval mode too: the mode plays no part).
     loss = evaluate(model, held_x, held_y)
     log(f"rank={rank} eval=wrapper loss={loss:.6f}")
     found = compare_buffers(model.module)

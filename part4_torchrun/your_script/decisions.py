@@ -45,12 +45,20 @@ def parse_args() -> argparse.Namespace:
         "--check-every", type=int, default=0, help="steps; 0: no check"
     )
     parser.add_argument(
+        "--drift-every",
+        type=int,
+        default=0,
+        help="steps between lines of the replicas' difference; 0: none",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=60, help="seconds a collective waits"
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if min(args.epochs, args.timeout) <= 0 or args.check_every < 0:
-        parser.error("--epochs and --timeout must be > 0, --check-every >= 0")
+    if min(args.epochs, args.timeout) <= 0:
+        parser.error("--epochs and --timeout must be > 0")
+    if min(args.check_every, args.drift_every) < 0:
+        parser.error("--check-every and --drift-every must be >= 0")
     return args
 
 
@@ -103,6 +111,14 @@ def check_replicas(model: nn.Module, step: int) -> None:
     sys.exit(1)
 
 
+def replica_drift(model: nn.Module) -> float:
+    """The largest difference between this rank's weights and another's."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    replicas = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(replicas, flat)
+    return max((r - flat).abs().max().item() for r in replicas)
+
+
 def validate(model: nn.Module, x, y, fix: bool) -> float:
     """The mean validation loss: this rank's shard's, or with --fix, all."""
     with torch.no_grad():
@@ -146,6 +162,11 @@ def main(args: argparse.Namespace) -> None:
 
         signal.signal(signal.SIGINT, request_stop)
         signal.signal(signal.SIGTERM, request_stop)
+        if rank == 0:
+            # torchrun sets this from its --signals-to-handle, whatever the
+            # variable held before
+            passed = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "")
+            log(f"rank 0 stops on SIGINT,SIGTERM; torchrun passes on {passed}")
 
     step, stopped = 0, False
     try:
@@ -171,6 +192,10 @@ def main(args: argparse.Namespace) -> None:
                 step += 1
                 if args.check_every and step % args.check_every == 0:
                     check_replicas(model.module, step)
+                if args.drift_every and step % args.drift_every == 0:
+                    drift = replica_drift(model)
+                    if rank == 0:
+                        log(f"step={step} replicas_max_abs_diff={drift:.4g}")
             if stopped:
                 break
             val = validate(model.module, val_x, val_y, args.fix)
@@ -186,11 +211,8 @@ def main(args: argparse.Namespace) -> None:
 
     # Every rank waits here for the others, as before a final checkpoint.
     dist.barrier()
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    replicas = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(replicas, flat)
+    drift = replica_drift(model)
     if rank == 0:
-        drift = max((r - flat).abs().max().item() for r in replicas)
         log(f"replicas max_abs_diff={drift:.4g} steps={step}")
     dist.destroy_process_group()
 

@@ -16,6 +16,13 @@ by the sample's index.
 A chaotic training (--lr 1 --steps 40) amplifies rounding; the float64 run
 tells that from a bug (--bug batch-per-rank: every rank loads B rows).
 
+Normalisation and adaptive optimizers. --norm batch: BatchNorm normalises
+over each rank's rows, so N ranks differ from one process by design, in
+float64 as in float32; with --fix, a switch for the check only, BatchNorm
+runs on its running statistics in both. --norm instance --optimizer adam: a
+bias before InstanceNorm has no gradient but rounding's, and Adam turns
+that into a full step: a float32 difference that float64 shows is rounding.
+
     python equivalence.py
     torchrun --standalone --nproc_per_node=2 equivalence.py
     python equivalence.py --shuffle
@@ -26,6 +33,10 @@ tells that from a bug (--bug batch-per-rank: every rank loads B rows).
     torchrun --standalone --nproc_per_node=2 equivalence.py --lr 1 --steps 40
     torchrun --standalone --nproc_per_node=2 equivalence.py \\
         --lr 1 --steps 40 --bug batch-per-rank
+    torchrun --standalone --nproc_per_node=2 equivalence.py --norm batch
+    torchrun --standalone --nproc_per_node=2 equivalence.py --norm batch --fix
+    torchrun --standalone --nproc_per_node=2 equivalence.py \\
+        --norm instance --optimizer adam
 """
 
 import argparse
@@ -70,7 +81,13 @@ def parse_args() -> argparse.Namespace:
         "--noise", action="store_true", help="random noise in forward"
     )
     parser.add_argument(
-        "--fix", action="store_true", help="the same rows and draws in both"
+        "--norm", choices=["batch", "instance"], help="a normalisation layer"
+    )
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument(
+        "--fix",
+        action="store_true",
+        help="the same rows, draws and normalisation in both",
     )
     parser.add_argument(
         "--bug", choices=["batch-per-rank"], help="a bug planted in the port"
@@ -102,12 +119,22 @@ def per_sample_noise(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class Net(nn.Module):
     """The MLP; noise: none, or drawn inside forward, as a GAN's generator or
-    a VAE's reparameterisation draws it."""
+    a VAE's reparameterisation draws it; norm: none, BatchNorm after the
+    first layer, or a convolution then InstanceNorm as the first layer."""
 
-    def __init__(self, noise: str):
+    def __init__(self, noise: str, norm: str | None):
         super().__init__()
+        first = nn.Linear(16, 64)
+        if norm == "instance":
+            # A bias per channel, then each sample's channel normalised: the
+            # bias drops out of the output; its gradient is rounding alone.
+            first = nn.Sequential(
+                nn.Unflatten(1, (1, 16)), nn.Conv1d(1, 4, 3, padding=1),
+                nn.InstanceNorm1d(4), nn.Flatten(),
+            )  # fmt: skip
+        after = nn.BatchNorm1d(64) if norm == "batch" else nn.Identity()
         self.layers = nn.Sequential(
-            nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+            first, after, nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
             nn.Linear(64, 4),
         )  # fmt: skip
         self.noise = noise
@@ -134,7 +161,14 @@ def noise_kind(args) -> str:
 def build(dtype: torch.dtype, args) -> nn.Module:
     # Step 1 of the recipe: the same seed gives both the same initial weights.
     torch.manual_seed(args.seed)
-    return Net(noise_kind(args)).to(dtype)
+    net = Net(noise_kind(args), args.norm).to(dtype)
+    if args.fix and args.norm == "batch":
+        # --fix: for the check only, BatchNorm on its running statistics in
+        # both: each row normalised alone, whichever rank holds it
+        for module in net.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.eval()
+    return net
 
 
 def global_batch(step: int, size: int, seed: int, dtype: torch.dtype):
@@ -211,7 +245,12 @@ def original_batches(args, dtype, world_size: int):
 
 def train(model: nn.Module, args, batches, checkpoints) -> dict[int, list]:
     """Trains on `batches`, one a step; the weights at each checkpoint."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=0.9
+        )
     weights = {}
     steps = itertools.islice(batches, args.steps)
     for step, (x, y, ids) in enumerate(steps, start=1):
@@ -233,6 +272,11 @@ def described(args) -> str:
         found.append(f"original_order={'samplers' if args.fix else 'shuffle'}")
     if args.noise:
         found.append(f"noise={noise_kind(args)}")
+    if args.norm:
+        running = "_running" if args.fix and args.norm == "batch" else ""
+        found.append(f"norm={args.norm}{running}")
+    if args.optimizer != "sgd":
+        found.append(f"optimizer={args.optimizer}")
     if args.lr != LR:
         found.append(f"lr={args.lr:g}")
     if args.bug:
@@ -246,7 +290,8 @@ def main(args: argparse.Namespace) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
         os.environ.update(RANK="0", WORLD_SIZE="1")
     if "OMP_NUM_THREADS" not in os.environ:
-        # Layers this small run fastest on one thread (torchrun sets it too).
+        # Layers this small run fastest on one thread (torchrun sets it too
+        # when it starts more than one process on the node).
         torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()

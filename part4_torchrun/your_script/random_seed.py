@@ -9,6 +9,7 @@ rank 0's seed, broadcast right after init_process_group.
 
     torchrun --standalone --nproc_per_node=2 random_seed.py
     torchrun --standalone --nproc_per_node=2 random_seed.py --fix
+    torchrun --standalone --nproc_per_node=2 random_seed.py --show-shards
 """
 
 import argparse
@@ -35,6 +36,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--seed", type=int, default=None, help="default: drawn at random"
+    )
+    parser.add_argument(
+        "--show-shards",
+        action="store_true",
+        help="print each rank's samples, in the order drawn",
     )
     parser.add_argument(
         "--timeout", type=float, default=60, help="seconds a collective waits"
@@ -73,6 +79,9 @@ def main(args: argparse.Namespace) -> None:
     mine = [int(i) for (batch,) in loader for i in batch]
     shards = [None] * world_size
     dist.all_gather_object(shards, mine)
+    if rank == 0 and args.show_shards:
+        for other, shard in enumerate(shards):
+            log(f"rank={other} shard={','.join(map(str, shard))}")
     if rank == 0:
         # how many ranks drew each sample (twice in one shard counts once)
         ranks = Counter(i for shard in shards for i in set(shard))

@@ -1,6 +1,6 @@
 """Your own script: what the wrapper and the extra ranks change. See README.md.
 
-Seven things a single-device script does that change meaning under DDP, each
+Nine things a single-device script does that change meaning under DDP, each
 tried on every rank; rank 0 prints one `effect=...` line per thing. Without
 --fix each is done the single-device way (an error or a wrong number); with
 --fix the DDP way.
@@ -57,10 +57,15 @@ def first_line(error: Exception, containing: str = "") -> str:
 
 class Net(nn.Module):
     """A model of the kind a single-device script brings: a method of its
-    own, a constant buffer with unusual strides, dropout."""
+    own, a constant buffer with unusual strides, dropout; BatchNorm if
+    asked."""
 
     def __init__(
-        self, width: int = 8, max_len: int = 16, pe: str = "transpose"
+        self,
+        width: int = 8,
+        max_len: int = 16,
+        pe: str = "transpose",
+        batchnorm: bool = False,
     ):
         super().__init__()
         position = torch.arange(max_len).unsqueeze(1) / max_len
@@ -76,9 +81,13 @@ class Net(nn.Module):
         self.register_buffer("pe", made[pe])
         self.drop = nn.Dropout(0.5)
         self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width) if batchnorm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.drop(x + self.pe[: x.size(0)]))
+        out = self.linear(self.drop(x + self.pe[: x.size(0)]))
+        if self.norm is not None:
+            out = self.norm(out.flatten(0, 1)).view_as(out)
+        return out
 
     def init_hidden(self, batch: int) -> torch.Tensor:
         return torch.zeros(batch, self.linear.out_features)
@@ -115,10 +124,37 @@ def save_model(model: DDP, fix: bool, folder: str) -> str:
     return "ok loads into a bare Net"
 
 
+def checkpoint(model: DDP, fix: bool, folder: str) -> str:
+    # A checkpoint every N steps, from inside the training loop
+    path, state = os.path.join(folder, "step_100.pt"), None
+    if fix:
+        # --fix: rank 0 alone saves, the bare model's weights
+        if dist.get_rank() == 0:
+            state = model.module.state_dict()
+    else:
+        # the single-device habit: every rank, the wrapper's weights
+        state = model.state_dict()
+    if state is not None:
+        torch.save(state, path)
+    # How many ranks wrote the one file (each after its own write).
+    writers = torch.tensor([state is not None], dtype=torch.int64)
+    dist.all_reduce(writers)
+    if dist.get_rank() != 0:
+        return ""
+    try:
+        # what the file holds, loaded into the bare model
+        Net().load_state_dict(state)
+    except RuntimeError as error:
+        message = first_line(error, "Missing key")
+        return f"writers={writers.item()} error=" + message
+    return f"writers={writers.item()} ok loads into a bare Net"
+
+
 def buffers(model: DDP) -> str:
-    # A forward in train mode: DDP first copies rank 0's buffers to all
-    # ranks (forward_sync_buffers=True, the default), writing into each
-    # rank's buffer.
+    # The first forward after the wrap, and every forward after a forward
+    # with gradients on: DDP first copies rank 0's buffers to all ranks
+    # (forward_sync_buffers=True, the default), writing into each rank's
+    # buffer; train() or eval() plays no part.
     try:
         model(torch.randn(5, 3, 8))
     except RuntimeError as error:
@@ -127,12 +163,17 @@ def buffers(model: DDP) -> str:
 
 
 def buffers_remade(fix: bool) -> str:
-    # Another way out, for a model whose other buffers must be broadcast
-    # (BatchNorm's statistics): without --fix the clone() that the message
-    # asks for.
+    # Another way out, keeping the copy: without --fix the clone() that the
+    # message asks for.
     # --fix: the buffer made without the transpose
     model = DDP(Net(pe="unsqueeze" if fix else "clone"))
     return buffers(model)
+
+
+def buffers_beside() -> str:
+    # The same transposed buffer beside BatchNorm's: the copy of the two
+    # works (it fails only for that buffer copied alone).
+    return buffers(DDP(Net(batchnorm=True)))
 
 
 def dropout(model: DDP) -> str:
@@ -160,6 +201,23 @@ def device_choice(fix: bool, no_accel: bool) -> str:
     except RuntimeError as error:
         return f"device={device} backend={backend} error=" + first_line(error)
     return f"device={device} backend={backend} ok"
+
+
+def forward_device(fix: bool) -> str:
+    # The input on a GPU; the meta device (shapes without data) stands in
+    # for it here: this machine has none
+    x = torch.ones(4, 8, device="meta")
+    # the single-device habit inside forward: no device, so the CPU
+    device = None
+    if fix:
+        # --fix: a tensor made inside forward goes to the input's device
+        device = x.device
+    mask = torch.ones(4, 1, device=device)
+    try:
+        x * mask
+    except RuntimeError as error:
+        return f"made_on={mask.device} error=" + first_line(error)
+    return f"ok made_on={mask.device}"
 
 
 def full_batch(fix: bool, rank: int, world_size: int) -> str:
@@ -228,14 +286,20 @@ def main(args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed + rank)
     else:
         model = DDP(net)
-    folder = tempfile.mkdtemp() if rank == 0 else ""
+    # One folder for every rank: rank 0's, its name broadcast.
+    folders = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folders, src=0)
+    folder = folders[0]
 
     lines = [f"custom_method {custom_method(model, args.fix)}"]
     lines.append(f"save_model {save_model(model, args.fix, folder)}")
     lines.append(f"buffers {buffers(model)}")
     lines.append(f"buffers_remade {buffers_remade(args.fix)}")
+    lines.append(f"buffers_beside {buffers_beside()}")
     lines.append(f"dropout {dropout(model)}")
+    lines.append(f"checkpoint {checkpoint(model, args.fix, folder)}")
     lines.append(f"device {device_choice(args.fix, args.no_accel)}")
+    lines.append(f"forward_device {forward_device(args.fix)}")
     full = full_batch(args.fix, rank, dist.get_world_size())
     lines.append(f"full_batch {full}")
     lines += [f"len_dataset {line}" for line in len_dataset(args.fix)]

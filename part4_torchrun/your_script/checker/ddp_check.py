@@ -2,12 +2,20 @@
 
 Put this command in front of the launch. It runs the launch with the recorder (sitecustomize.py,
 beside this file) loaded into every process, then prints what the records prove: the replicas
-ended equal (parameters and buffers), every rank trained the same number of steps on inputs no
-other rank saw, and the ranks entered the same collectives in the same order; and what it could
-not check.
+ended equal (parameters and buffers), and so did every module DDP does not wrap (a frozen loss
+network, a teacher, an EMA copy); no rank trained a copy of its own (what an optimizer stepped
+outside DDP was averaged by a collective of the script's own, or the same on every rank); every
+rank trained the same number of steps on inputs no other rank saw; each checkpoint file was
+written by one rank, without the wrapper's 'module.' keys; and the ranks entered the same
+collectives in the same order; and what it could not check.
 
     python part4_torchrun/your_script/checker/ddp_check.py \
         torchrun --standalone --nproc_per_node=2 my_script.py --epochs 1
+
+Without torchrun on PATH, Python's module is the same launcher:
+
+    python part4_torchrun/your_script/checker/ddp_check.py \
+        python -m torch.distributed.run --standalone --nproc_per_node=2 my_script.py --epochs 1
 
 Options, before the command:
 
@@ -41,8 +49,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,7 +77,8 @@ NOT_CHECKED = [
     "inputs made inside forward; samples that random augmentation made look new (the loaders'"
     " indices cover map-style DataLoaders); without a DataLoader, repeats in different steps",
     "that dim 0 of forward's first input is the batch, and the order or continuity of a stream",
-    "the optimizer's state (momentum) and anything outside the DDP-wrapped modules",
+    "the optimizer's state (momentum), and tensors held by no module (a bare tensor; a bare"
+    " parameter's gradient is checked when an optimizer steps it)",
 ]
 
 
@@ -96,6 +108,12 @@ class RecordsError(Exception):
     pass
 
 
+# Collectives that combine the ranks' values: a sample scored on several ranks before one of
+# them counts once per rank.
+SUMMING = (
+    *("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object"),
+    *("gather", "gather_object", "reduce_scatter", "reduce_scatter_tensor"),
+)
 # Without --draws, or with it (init records it): what the report leaves out about random draws.
 NOT_DRAWN = (
     "random draws inside forward (dropout, noise): --draws says whether each rank drew its own"
@@ -107,6 +125,8 @@ def read(directory: Path) -> tuple[list[Rank], int | None]:
     """The processes that joined a process group, by rank, and the world size."""
     ranks: dict[int, Rank] = {}
     world_size = None
+    # what loader worker processes recorded (no process group of their own): their rank's
+    workers: list[dict] = []
     for path in sorted(directory.glob("*.jsonl")):
         events = []
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -119,7 +139,9 @@ def read(directory: Path) -> tuple[list[Rank], int | None]:
                 # the last line of a process killed as it wrote it
         inits = [e for e in events if e["event"] == "init"]
         if not inits:
-            continue  # the launcher, a loader worker: no process group
+            # the launcher, a loader worker: no process group
+            workers += [e for e in events if e["event"] == "dataset_draws"]
+            continue
         rank = inits[0]["rank"]
         if rank in ranks:
             raise RecordsError(
@@ -128,6 +150,9 @@ def read(directory: Path) -> tuple[list[Rank], int | None]:
             )
         ranks[rank] = Rank(rank, int(path.stem), events)
         world_size = inits[0]["world_size"]
+    for e in workers:
+        if e["rank"] in ranks:
+            ranks[e["rank"]].events.append(e)
     return [ranks[r] for r in sorted(ranks)], world_size
 
 
@@ -169,7 +194,17 @@ def ends_of(ranks: list[Rank]) -> tuple[dict[int, str], dict[int, dict[int, dict
     return wrapped, ends
 
 
+def let_go(records) -> str:
+    """What the detail says when a rank's record was made as the script let the module go
+    (no destroy_process_group(), and the module dropped before exit)."""
+    if any(e.get("when") == "collected" for e in records):
+        return " (recorded when the script let it go)"
+    return ""
+
+
 def check_replicas(ranks: list[Rank]) -> list[Check]:
+    """Each wrapped module's parameters bit-equal on every rank, as recorded at
+    destroy_process_group(), else at exit, else when the script let the module go."""
     wrapped, ends = ends_of(ranks)
     if not wrapped:
         return [Check("--", "replicas equal", "no module was wrapped in DistributedDataParallel")]
@@ -180,8 +215,8 @@ def check_replicas(ranks: list[Rank]) -> list[Check]:
         dropped = [r.rank for r in ranks for e in r.of("dropped") if e["model"] == model]
         if dropped:
             detail = (
-                f"rank(s) {dropped} let the wrapped module go before destroy_process_group() or"
-                " exit, so nothing was left to record: keep a reference to it until then"
+                f"rank(s) {dropped} let the wrapped module go unrecorded (its class has a __del__"
+                " of its own): keep a reference to it until destroy_process_group()"
             )
             checks.append(Check("--", name, detail, model))
             continue
@@ -197,15 +232,17 @@ def check_replicas(ranks: list[Rank]) -> list[Check]:
             )
             continue
         names, differing, drift = compare(ranks, ends[model], "params", "saved")
+        when = let_go(ends[model].values())
         if not differing:
             detail = (
-                f"{len(names)} parameter tensors bit-equal on all {len(ranks)} ranks at the end"
+                f"{len(names)} parameter tensors bit-equal on all {len(ranks)} ranks at the"
+                f" end{when}"
             )
             checks.append(Check("ok", name, detail, model))
             continue
         measured = f"; max |difference| between ranks {drift:.4g}" if drift is not None else ""
         detail = (
-            f"{len(differing)} of {len(names)} parameter tensors differ at the end, first"
+            f"{len(differing)} of {len(names)} parameter tensors differ at the end{when}, first"
             f" {differing[0]!r}{measured}"
         )
         checks.append(Check("FAIL", name, detail, model))
@@ -236,6 +273,150 @@ def check_buffers(ranks: list[Rank]) -> list[Check]:
             " average them, or broadcast rank 0's"
         )
         checks.append(Check("FAIL", name, detail, model))
+    return checks
+
+
+def unwrapped(ranks: list[Rank]) -> dict[str, dict[int, dict]]:
+    """key -> rank -> the last state record of each module DDP does not wrap."""
+    last: dict[str, dict[int, dict]] = defaultdict(dict)
+    for r in ranks:
+        for e in r.of("state"):
+            last[e["key"]][r.rank] = e
+    return last
+
+
+def check_unwrapped(ranks: list[Rank]) -> list[Check]:
+    """Each module that DDP does not wrap and no other module holds (a frozen loss network, a
+    teacher, an EMA copy, a model trained without DDP), by its class and the line that built
+    it: its parameters and buffers bit-equal on every rank, as last recorded (at the end, or
+    when the script let it go). DDP never copies or compares such a module. One that some
+    ranks did not record (rank 0's own copy to load a checkpoint into) is listed as not
+    checked."""
+    # the modules an optimizer stepped outside DDP: trained, not only built, on each rank
+    trained = set(trainings(ranks))
+    checks = []
+    for key, per_rank in unwrapped(ranks).items():
+        name = f"unwrapped module equal ({key})"
+        if len(per_rank) < len(ranks):
+            continue
+        params, differing, drift = compare(ranks, per_rank, "params", "saved")
+        buffers, differing_buffers, buffers_drift = compare(
+            ranks, per_rank, "buffers", "saved_buffers"
+        )
+        differing += differing_buffers
+        drifts = [d for d in (drift, buffers_drift) if d is not None]
+        when = let_go(per_rank.values())
+        if not differing:
+            detail = (
+                f"{len(params)} parameter and {len(buffers)} buffer tensors bit-equal on all"
+                f" {len(ranks)} ranks at the end{when}"
+            )
+            checks.append(Check("ok", name, detail))
+            continue
+        measured = f"; max |difference| between ranks {max(drifts):.4g}" if drifts else ""
+        if key in trained:
+            fix = (
+                "each rank trained it with its own gradients (see gradients averaged): wrap it"
+                " in DistributedDataParallel"
+            )
+        else:
+            fix = (
+                "DDP neither copies nor compares a module it does not wrap: build or load it"
+                " alike on every rank, before any seed of each rank's own, or broadcast rank"
+                " 0's tensors"
+            )
+        detail = (
+            f"{len(differing)} of {len(params) + len(buffers)} tensors differ at the end{when},"
+            f" first {differing[0]!r}{measured}: {fix}"
+        )
+        checks.append(Check("FAIL", name, detail))
+    return checks
+
+
+def trainings(ranks: list[Rank]) -> dict[str, dict[int, list[dict]]]:
+    """What optimizers trained outside DDP: the key of the module that holds the parameters
+    (else the optimizer's number and class) -> rank -> its step records."""
+    found: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in ranks:
+        for e in r.of("step"):
+            if e["outside"]:
+                key = e.get("trains") or f"optimizer {e['optimizer']}, {e['kind']}"
+                found[key][r.rank].append(e)
+    return found
+
+
+def check_gradients(ranks: list[Rank], world_size: int) -> list[Check]:
+    """Each module trained outside DDP on several ranks (an optimizer stepped parameters no
+    DDP-wrapped module holds): a collective between each backward and the step (gradients
+    averaged by hand), or the same gradients on every rank at every step (each rank repeats
+    one training: a reference); else each rank trained its own copy. No line for what DDP
+    trains; training on some ranks alone is listed as not checked."""
+    if world_size < 2:
+        return []
+    # a DDP model trained: a module trained outside it alike on every rank is a reference
+    wrapped = any(training_forwards(r) for r in ranks)
+    checks = []
+    for key, per_rank in trainings(ranks).items():
+        if len(per_rank) < len(ranks):
+            continue
+        name = f"gradients averaged ({key})"
+        first = next(iter(per_rank.values()))[0]
+        count = max(e["outside"] for es in per_rank.values() for e in es)
+        held = (
+            f"its optimizer ({first['kind']}) stepped {count} parameters that no DDP-wrapped"
+            f" module holds (first {first['first']!r})"
+        )
+        alone = {rank: [e for e in es if not e["collectives"]] for rank, es in per_rank.items()}
+        if not any(alone.values()):
+            places = Counter(
+                f"{e['name']} at {Path(e['file']).name}:{e['line']}"
+                for e in ranks[0].of("collective")
+                if e.get("window")
+            )
+            listed = ", ".join(f"{place} x{n}" for place, n in places.most_common(3))
+            detail = (
+                f"{held}; a collective ran between each backward and the step ({listed}):"
+                " averaged by hand (what the collectives sum is not checked; unwrapped module"
+                " equal compares the result)"
+            )
+            checks.append(Check("ok", name, detail))
+            continue
+        steps = [len(es) for es in per_rank.values()]
+        differ = [
+            k
+            for k in range(min(steps))
+            if None in {es[k].get("grads") for es in per_rank.values()}
+            or len({es[k].get("grads") for es in per_rank.values()}) > 1
+        ]
+        same = not differ and len(set(steps)) == 1
+        if same and wrapped:
+            detail = (
+                f"{held}, with no collective between the backward and the step, but the same"
+                f" gradients on every rank at all {steps[0]} steps: each rank repeats one"
+                " training beside the DDP model's (a one-process reference), not split between"
+                " the ranks"
+            )
+            checks.append(Check("ok", name, detail))
+            continue
+        rank = next(rank for rank, es in alone.items() if es)
+        nothing = "" if wrapped else "no DDP model trained: "
+        if same:
+            copies = (
+                f"the same gradients on every rank at all {steps[0]} steps: each rank repeats"
+                " the same training on the same data, as one process would"
+            )
+        else:
+            copies = (
+                f"other gradients on each rank, first at step {differ[0] + 1 if differ else 1}:"
+                " each rank trained its own copy"
+            )
+        detail = (
+            f"{nothing}{held}, with no collective between the backward and the step at"
+            f" {len(alone[rank])} of {len(per_rank[rank])} steps on rank {rank}, and {copies}:"
+            " wrap the model in DistributedDataParallel (or all-reduce those gradients before"
+            " the step)"
+        )
+        checks.append(Check("FAIL", name, detail))
     return checks
 
 
@@ -300,12 +481,14 @@ def check_inputs(ranks: list[Rank], world_size: int) -> Check:
         return len(seen) == len(set(seen))
 
     shared: dict[tuple, list[str]] = defaultdict(list)
-    duplicates: set[str] = set()
+    # row -> the data set the loader handed it from, under different indices on each rank
+    duplicates: dict[str, str] = {}
+    datasets = {e["loader"]: e["dataset"] for r in ranks for e in r.of("batch")}
     for epoch, rows in holders.items():
         for row, held in rows.items():
             if len(held) > 1:
                 if duplicate(epoch, row):
-                    duplicates.add(row)
+                    duplicates[row] = datasets.get(epoch[1], "?")
                 else:
                     shared[epoch].append(row)
 
@@ -313,12 +496,7 @@ def check_inputs(ranks: list[Rank], world_size: int) -> Check:
         padded = epoch[0] == "pass" and samplers.get(epoch[1]) == "DistributedSampler"
         return world_size - 1 if padded else 0
 
-    same = (
-        f"; {len(duplicates)} rows came to more than one rank under different data-set"
-        " indices: possible duplicates in the data set, not shared samples"
-        if duplicates
-        else ""
-    )
+    same = duplicates_note(duplicates, choosing(ranks))
     over = [epoch for epoch, rows in shared.items() if len(rows) > padding(epoch)]
     if not over:
         padded = max(map(len, shared.values()), default=0)
@@ -340,6 +518,27 @@ def check_inputs(ranks: list[Rank], world_size: int) -> Check:
     )
 
 
+def duplicates_note(duplicates: dict[str, str], draws: dict[str, str]) -> str:
+    """What the rows that came to several ranks under different indices may be: duplicates in
+    the data set, or, from a data set that draws in __getitem__, one sample drawn twice."""
+    drawn = [row for row, dataset in duplicates.items() if dataset in draws]
+    note = ""
+    if len(duplicates) > len(drawn):
+        note += (
+            f"; {len(duplicates) - len(drawn)} rows came to more than one rank under different"
+            " data-set indices: possible duplicates in the data set, not shared samples"
+        )
+    if drawn:
+        names = sorted({duplicates[row] for row in drawn})
+        which = ", ".join(f"{name}, which drew from {draws[name]} in __getitem__" for name in names)
+        note += (
+            f"; {len(drawn)} rows came to more than one rank under different indices of {which}:"
+            " the index does not choose the sample there, so each may be one sample drawn on"
+            " two ranks"
+        )
+    return note
+
+
 @dataclass
 class Loader:
     """What one map-style DataLoader handed out: loaders are numbered in the order each process
@@ -355,9 +554,13 @@ class Loader:
 
     def shared(self, number: int) -> int:
         """How many samples more than one rank drew in pass `number`."""
+        return len(self.shared_samples(number))
+
+    def shared_samples(self, number: int) -> set[int]:
+        """The samples more than one rank drew in pass `number`."""
         per_rank = self.passes.get(number, {})
         counts = Counter(s for samples in per_rank.values() for s in set(samples))
-        return sum(1 for c in counts.values() if c > 1)
+        return {sample for sample, c in counts.items() if c > 1}
 
     def overlaps(self, world_size: int) -> dict[int, int]:
         """pass -> samples drawn by more than one rank, for the passes with more than a
@@ -431,15 +634,76 @@ def loaders(ranks: list[Rank]) -> list[Loader]:
     return [found[number] for number in sorted(found)]
 
 
+def training_loaders(ranks: list[Rank]) -> set[int]:
+    """The loaders whose batch a training forward or an optimizer step came after."""
+    return {
+        e["pass"][0] for r in ranks for e in [*training_forwards(r), *r.of("step")] if e.get("pass")
+    }
+
+
+def choosing(ranks: list[Rank]) -> dict[str, str]:
+    """Data set class -> 'random', 'numpy' or both: those whose fetches drew from python's
+    random or numpy's global generator, a draw that may choose the sample (torch's alone is
+    most often an augmentation)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for r in ranks:
+        for e in r.of("dataset_draws"):
+            found[e["dataset"]].update(set(e["generators"]) - {"torch"})
+    return {name: " and ".join(sorted(gens)) for name, gens in found.items() if gens}
+
+
+def index_caveat(dataset: str, draws: dict[str, str]) -> str:
+    if dataset not in draws:
+        return ""
+    return (
+        f"; {dataset} drew from {draws[dataset]} in __getitem__: the index alone does not"
+        " choose its sample, so disjoint indices do not prove disjoint samples"
+    )
+
+
+def summed_after(ranks: list[Rank], loader: Loader, number: int) -> str | None:
+    """Where a rank put samples that another rank scored too into a sum: the first combining
+    collective after its last batch of pass `number` holding one, before its next training
+    forward or step. None: every rank scored them after its all-reduce."""
+    shared = loader.shared_samples(number)
+    for r in ranks:
+        holding = [
+            i
+            for i, e in enumerate(r.events)
+            if e["event"] == "batch"
+            and e["loader"] == loader.number
+            and e["pass"] == number
+            and shared & set(e["samples"])
+        ]
+        for e in r.events[holding[-1] + 1 :] if holding else []:
+            if (e["event"] == "forward" and e["training"]) or e["event"] == "step":
+                break
+            if e["event"] == "collective" and e["name"] in SUMMING:
+                return f"rank {r.rank}'s {e['name']} at {Path(e['file']).name}:{e['line']}"
+    return None
+
+
 def check_loaders(ranks: list[Rank], world_size: int) -> list[Check]:
+    """Training loaders: no sample drawn by two ranks in one pass (a DistributedSampler's
+    padding allowed). Evaluation loaders (no training forward or step came after their
+    batches), grouped by data set and sampler: samples scored on several ranks are counted,
+    not failed, and told apart: scored after the all-reduce (a tail each rank scores itself)
+    or summed into it. Without training records every loader counts as a training one."""
+    training = training_loaders(ranks)
+    draws = choosing(ranks)
     checks = []
+    evaluations: dict[tuple[str, str], list[Loader]] = defaultdict(list)
     for loader in loaders(ranks):
+        if training and loader.number not in training:
+            evaluations[loader.dataset, loader.sampler].append(loader)
+            continue
         name = (
             f"loader samples disjoint (loader {loader.number}, {loader.dataset}, {loader.sampler})"
         )
+        caveat = index_caveat(loader.dataset, draws)
         users = {rank for per_rank in loader.passes.values() for rank in per_rank}
         if len(users) < 2:
-            detail = f"only rank {min(users)} drew from it"
+            detail = f"only rank {min(users)} drew from it{caveat}"
             checks.append(Check("ok", name, detail, loader.number))
             continue
         overlaps = loader.overlaps(world_size)
@@ -453,13 +717,117 @@ def check_loaders(ranks: list[Rank], world_size: int) -> list[Check]:
             continue
         padded = max(loader.shared(number) for number in loader.passes)
         padding = f" ({padded} repeated: the sampler's padding)" if padded else ""
-        total = sum(
-            len({s for samples in per_rank.values() for s in samples})
-            for per_rank in loader.passes.values()
-        )
-        detail = f"{total} samples over {len(loader.passes)} pass(es){padding}"
+        detail = f"{samples(loader)} samples over {len(loader.passes)} pass(es){padding}{caveat}"
         checks.append(Check("ok", name, detail, loader.number))
+    for (dataset, sampler), group in evaluations.items():
+        checks.append(check_evaluation(ranks, group, dataset, sampler, world_size, draws))
     return checks
+
+
+def samples(loader: Loader) -> int:
+    """The distinct samples of each pass, summed over the passes."""
+    return sum(
+        len({s for samples in per_rank.values() for s in samples})
+        for per_rank in loader.passes.values()
+    )
+
+
+def check_evaluation(
+    ranks: list[Rank],
+    group: list[Loader],
+    dataset: str,
+    sampler: str,
+    world_size: int,
+    draws: dict[str, str],
+) -> Check:
+    """The evaluation loaders of one data set and sampler (a loader made each epoch is one
+    more): ok, with the samples scored on more than one rank counted and told apart."""
+    numbers = [loader.number for loader in group]
+    listed = ", ".join(map(str, numbers[:4])) + (", ..." if len(numbers) > 4 else "")
+    which = f"loader {listed}" if len(numbers) == 1 else f"loaders {listed} ({len(numbers)})"
+    name = f"loader samples disjoint ({which}, {dataset}, {sampler}, evaluation)"
+    caveat = index_caveat(dataset, draws)
+    users = {rank for loader in group for per_rank in loader.passes.values() for rank in per_rank}
+    if len(users) < 2:
+        return Check("ok", name, f"only rank {min(users)} drew from it{caveat}", numbers[0])
+    passes = sum(len(loader.passes) for loader in group)
+    counted = f"{sum(map(samples, group))} samples over {passes} pass(es)"
+    overlaps = [
+        (loader, number, n) for loader in group for number, n in loader.overlaps(world_size).items()
+    ]
+    if not overlaps:
+        padded = max(loader.shared(number) for loader in group for number in loader.passes)
+        padding = f" ({padded} repeated: the sampler's padding)" if padded else ""
+        return Check("ok", name, f"{counted}{padding}{caveat}", numbers[0])
+    shared = sum(n for _, _, n in overlaps)
+    summed = next(
+        (where for loader, number, _ in overlaps if (where := summed_after(ranks, loader, number))),
+        None,
+    )
+    scored = f"{counted}; {shared} scored on more than one rank in {len(overlaps)} pass(es)"
+    if summed is None:
+        detail = (
+            f"{scored}, none summed across the ranks after it: each rank scored them for itself"
+            " (the whole set on every rank, or a tail after the all-reduce), not a failure"
+        )
+    else:
+        detail = (
+            f"{scored}, then summed ({summed}): each counts once per rank that scored it; right"
+            " only when every rank scores every sample and divides by the all-reduced count,"
+            " else score them after the all-reduce, or on one rank"
+        )
+    return Check("ok", name, detail + caveat, numbers[0])
+
+
+def check_checkpoints(ranks: list[Rank]) -> list[Check]:
+    """The files the ranks wrote with torch.save: each by one rank (ranks on different hosts
+    may each write a file of their own there), none holding the DDP wrapper's 'module.' keys
+    or the wrapper itself. No line when nothing was saved."""
+    saves = [e for r in ranks for e in r.of("save")]
+    if not saves:
+        return []
+    writers: dict[str, dict[int, str | None]] = defaultdict(dict)
+    for e in saves:
+        writers[e["path"]][e["rank"]] = e.get("host")
+    problems = []
+    raced = {path: by for path, by in writers.items() if max(Counter(by.values()).values()) > 1}
+    if raced:
+        path, by = next(iter(raced.items()))
+        problems.append(
+            f"{len(raced)} file(s) written by more than one rank (first {Path(path).name!r}, by"
+            f" ranks {sorted(by)}): they write one file at once and a reader may find it half"
+            " written; save on rank 0 alone (if rank == 0), and make the others wait"
+            " (dist.barrier()) before they read it"
+        )
+    prefixed = [e for e in saves if e.get("module_keys")]
+    if prefixed:
+        e = prefixed[0]
+        problems.append(
+            f"{Path(e['path']).name!r} holds {e['module_keys']} keys that start with 'module.'"
+            f" (first {e['first_key']!r}): the DDP wrapper's state_dict, which the bare model's"
+            " load_state_dict refuses; save model.module.state_dict()"
+        )
+    pickled = [e for e in saves if e.get("wrapper")]
+    if pickled:
+        problems.append(
+            f"{Path(pickled[0]['path']).name!r} holds the DDP wrapper itself (torch.save of the"
+            " DDP model), which torch.load refuses by default; save model.module.state_dict()"
+        )
+    if problems:
+        return [Check("FAIL", "checkpoints", "; ".join(problems))]
+    hosts = [path for path, by in writers.items() if len(by) > 1]
+    shared = (
+        f"; {len(hosts)} written on several hosts, by one rank on each: one file if the folder"
+        " is shared between them"
+        if hosts
+        else ""
+    )
+    by_rank = sorted({e["rank"] for e in saves})
+    detail = (
+        f"{len(writers)} file(s) written, each by one rank (rank(s) {by_rank}), none with"
+        f" 'module.' keys{shared}"
+    )
+    return [Check("ok", "checkpoints", detail)]
 
 
 def check_draws(ranks: list[Rank]) -> list[Check]:
@@ -596,6 +964,13 @@ def deadline_line(ranks: list[Rank]) -> str | None:
     )
 
 
+def few(found: dict[str, list[int]]) -> str:
+    """'Net, built at a.py:3 (rank(s) [0]), ...': the first 3, and how many more."""
+    named = [f"{key} (rank(s) {by})" for key, by in found.items()]
+    more = f", and {len(named) - 3} more" if len(named) > 3 else ""
+    return ", ".join(named[:3]) + more
+
+
 def report(
     directory: Path, returncode: int = 0, ended: str | None = None
 ) -> tuple[list[str], list[Check]]:
@@ -621,9 +996,12 @@ def report(
     checks = [
         *check_replicas(ranks),
         *check_buffers(ranks),
+        *check_unwrapped(ranks),
+        *check_gradients(ranks, world_size),
         check_steps(ranks),
         check_inputs(ranks, world_size),
         *check_loaders(ranks, world_size),
+        *check_checkpoints(ranks),
         check_collectives(ranks),
         *check_draws(ranks),
     ]
@@ -635,7 +1013,23 @@ def report(
         lines += ["  " + line for line in last_events(ranks)]
     drawn = any(e.get("draws") for r in ranks for e in r.of("init"))
     lines.append("not checked:")
-    lines += ["  - " + item for item in [*NOT_CHECKED, DRAWN if drawn else NOT_DRAWN]]
+    items = [*NOT_CHECKED, DRAWN if drawn else NOT_DRAWN]
+    draws = choosing(ranks)
+    if draws:
+        named = ", ".join(f"{name} ({gens})" for name, gens in draws.items())
+        items.append(
+            f"what the data sets that draw in __getitem__ chose: {named}; where the draw"
+            " chooses the sample, disjoint indices are not disjoint samples, and"
+            " torch.manual_seed seeds neither python's random nor numpy outside the loader's"
+            " worker processes (the DataLoader seeds all three in each worker)"
+        )
+    alone = {key: sorted(by) for key, by in unwrapped(ranks).items() if len(by) < len(ranks)}
+    if alone:
+        items.append(f"modules that DDP does not wrap, recorded on some ranks only: {few(alone)}")
+    alone = {key: sorted(by) for key, by in trainings(ranks).items() if len(by) < len(ranks)}
+    if alone and world_size > 1:
+        items.append(f"training outside DDP on some ranks only: {few(alone)}")
+    lines += ["  - " + item for item in items]
     return lines, checks
 
 
@@ -747,6 +1141,23 @@ def run(
             signal.signal(s, handler)
 
 
+def not_found(command: list[str]) -> str:
+    """What to say when the launch's program is not found; for torchrun, the same launch
+    through Python's module, which needs no torchrun on PATH."""
+    program = command[0]
+    if Path(program).name != "torchrun":
+        return f"cannot run {program!r}: no such program (not on PATH)"
+    # this command's own options and path, before the launch
+    own = sys.argv[: len(sys.argv) - len(command)]
+    torch = importlib.util.find_spec("torch") is not None
+    python = sys.executable if torch else "python"
+    same = shlex.join(["python", *own, python, "-m", "torch.distributed.run", *command[1:]])
+    where = "" if torch else " (with a Python that has torch: this one has none)"
+    return (
+        f"cannot run {program!r}: not on PATH; Python's module is the same launcher: {same}{where}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -783,10 +1194,12 @@ def main() -> int:
             args.keep.mkdir(parents=True, exist_ok=True)
             if any(args.keep.iterdir()):
                 parser.error(f"--keep {args.keep}: the folder must be empty")
+        if shutil.which(args.command[0]) is None:
+            parser.error(not_found(args.command))
         directory = (args.keep or Path(tempfile.mkdtemp(prefix="ddp_check_"))).resolve()
         try:
             returncode, ended, status = run(args.command, directory, args.deadline, args.draws)
-        except FileNotFoundError as error:
+        except OSError as error:
             parser.error(f"cannot run {args.command[0]!r}: {error.strerror}")
     try:
         lines, checks = report(directory, returncode, ended)

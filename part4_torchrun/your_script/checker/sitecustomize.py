@@ -27,17 +27,37 @@ else the launcher's RANK, else None) and "time":
               DataLoader hands out, as indices into the underlying data set (through Subsets),
               recorded as the loader returns it; rows: a hash of each row, as forward's (None
               when the loader may reorder batches: in_order=False)
-- collective  {name, file, line, forwards, args}  the script calls a torch.distributed
-              collective (recorded before the call: a call that never returns is recorded too);
-              file:line is the first caller outside torch; forwards = training forwards so far;
-              args = what every rank must pass alike, for ARGUED collectives (the tensor's
-              dtype and shape, op, src, dst), else None
-- end         {model, params, buffers, saved, saved_buffers}   at destroy_process_group, else
-              at exit: a hash of each parameter and buffer of each wrapped module; the
-              parameters themselves go to the file `saved`, the buffers to `saved_buffers`
-              (None without buffers). The module is held by a weak reference: a script that
-              drops the wrapper (model = model.module) is still recorded.
-- dropped     {model}                             instead of end: the module was collected
+- collective  {name, file, line, forwards, args, window}   the script calls a
+              torch.distributed collective (recorded before the call: a call that never returns
+              is recorded too); file:line is the first caller outside torch; forwards =
+              training forwards so far; args = what every rank must pass alike, for ARGUED
+              collectives (the tensor's dtype and shape, op, src, dst), else None; window: a
+              backward ran since the last optimizer step (where gradients are averaged by hand)
+- end         {model, params, buffers, saved, saved_buffers, when}   at destroy_process_group,
+              else at exit, else when the script lets the module go (a model local to a main()
+              that returns without destroy_process_group; when: "end" or "collected"): a hash
+              of each parameter and buffer of each wrapped module; the parameters themselves go
+              to the file `saved`, the buffers to `saved_buffers` (None without buffers). The
+              module is held by a weak reference: nothing is kept alive that the script let go.
+- dropped     {model}                             instead of end: the module went unrecorded
+- state       {key, module, site, params, buffers, saved, saved_buffers, when}   as end, for
+              each module that DDP does not wrap and no other module holds (a frozen loss
+              network, a teacher, an EMA copy, a model trained without DDP) and that holds
+              parameters or buffers (those of a wrapped module left out); key: its class and
+              site, the script's line that built it (with " #n" when several alive at the end
+              share them); when: "end", or "collected" when the script let it go first
+- step        {optimizer, kind, graded, outside, trains, first, collectives, grads, pass}
+              after each optimizer step: optimizers numbered as they first step; graded: its
+              parameters with a gradient; outside: how many of those no DDP-wrapped module
+              holds; trains: the key (as state's) of the module that holds the first of those,
+              first: its name there; collectives: collectives called since the first backward
+              after the previous step; grads: a hash of those parameters' gradients
+- save        {path, host, module_keys, first_key, wrapper}   each torch.save to a file: the
+              keys that start with "module." in the state dicts it holds, and whether it
+              pickled a DistributedDataParallel itself
+- dataset_draws {dataset, generators}   a map-style data set's fetch of samples changed the
+              state of python's random, numpy's global generator or torch's ("random", "numpy",
+              "torch"): once per new generator; recorded in loader worker processes too
 - exit        {}                                  Python shuts down normally
 
 Another sitecustomize further along the path (a site's own, or the course's test probe) is
@@ -46,6 +66,8 @@ loaded after this one, so both work.
 
 import atexit
 import collections
+import contextlib
+import functools
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -53,7 +75,9 @@ import importlib.util
 import inspect
 import json
 import os
+import socket
 import sys
+import sysconfig
 import time
 import weakref
 
@@ -74,6 +98,16 @@ COLLECTIVES = (
 # these, are recorded. Others (gather's lists, all_to_all's splits) may differ by design.
 ARGUED = ("all_reduce", "reduce", "broadcast", "broadcast_object_list")
 AGREED = ("op", "src", "dst", "group_src", "group_dst")
+# Collectives that do not combine values: no gradient is averaged in them.
+UNREDUCING = ("barrier", "monitored_barrier")
+# The folders of Python's own modules and of installed packages: a module is "built at" the
+# first line of the call stack outside them, the script's.
+LIBRARIES = tuple(
+    os.path.join(path, "")
+    for key, folder in sysconfig.get_paths().items()
+    if key in ("stdlib", "platstdlib", "purelib", "platlib")
+    for path in {folder, os.path.realpath(folder)}
+)
 _out = {"pid": None, "file": None}
 
 
@@ -92,6 +126,19 @@ def record(event: str, **fields) -> None:
     line = json.dumps({"event": event, "rank": rank, "time": time.time(), **fields})
     _out["file"].write(line + "\n")
     _out["file"].flush()
+
+
+def quietly(function):
+    """The recorder's own work, which must never break the script: an error in it leaves its
+    record out, and the script goes on."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with contextlib.suppress(Exception):
+            return function(*args, **kwargs)
+        return None
+
+    return run
 
 
 def as_bytes(tensor):
@@ -190,6 +237,86 @@ def caller() -> tuple[str, int]:
     return frame.f_code.co_filename, frame.f_lineno
 
 
+def built_at(module) -> str | None:
+    """Where the script built `module` (or copied it: copy.deepcopy): its lines on the call
+    stack outside the libraries and the recorders, past the module's own __init__, at most 3,
+    outermost first, the module-level line only when nothing else: 'train.py:204 > 110' (line
+    204 calls the function whose line 110 built it)."""
+    found: list[tuple[str, int]] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(found) < 3:
+        code = frame.f_code
+        name = code.co_filename
+        if not (
+            name.startswith(LIBRARIES)
+            or name.startswith("<")
+            or os.path.basename(name) == "sitecustomize.py"
+            or (
+                code.co_name in ("__init__", "__setstate__")
+                and frame.f_locals.get("self") is module
+            )
+        ):
+            if code.co_name == "<module>" and found:
+                break
+            found.append((os.path.basename(name), frame.f_lineno))
+        frame = frame.f_back
+    parts, previous = [], None
+    for file, line in reversed(found):
+        parts.append(str(line) if file == previous else f"{file}:{line}")
+        previous = file
+    return " > ".join(parts) or None
+
+
+def rng_states() -> dict[str, int]:
+    """A hash of each global random state a data set may draw from: python's random, numpy's
+    (once the script imported numpy) and torch's CPU generator."""
+    import random
+
+    import torch
+
+    states = {
+        "random": hash(random.getstate()),
+        "torch": hash(torch.get_rng_state().numpy().tobytes()),
+    }
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        _, key, position, has_gauss, gauss = numpy.random.get_state()
+        states["numpy"] = hash((key.tobytes(), position, has_gauss, gauss))
+    return states
+
+
+def module_keys(value, depth: int = 0) -> tuple[int, str | None]:
+    """How many keys that start with "module." name a tensor in the dicts inside `value` (a
+    state dict, a checkpoint of several), and the first of them."""
+    import torch
+
+    if depth > 4:
+        return 0, None
+    if isinstance(value, dict):
+        items = list(value.items())[:100_000]
+    elif isinstance(value, (list, tuple)):
+        items = [(None, item) for item in value[:1_000]]
+    else:
+        return 0, None
+    count, first = 0, None
+    for key, item in items:
+        if isinstance(item, torch.Tensor):
+            if isinstance(key, str) and key.startswith("module."):
+                count += 1
+                first = first or key
+        elif isinstance(item, (dict, list, tuple)):
+            more, found = module_keys(item, depth + 1)
+            count += more
+            first = first or found
+    return count, first
+
+
+def sharded(tensor) -> bool:
+    """A parameter that FSDP manages (a DTensor, FSDP1's FlatParameter): its gradients are
+    reduced by FSDP, not by DDP."""
+    return any(kind.__name__ in ("DTensor", "FlatParameter") for kind in type(tensor).__mro__)
+
+
 def subset_maps(dataset) -> tuple[list, object]:
     """The index lists of the Subsets around a data set, outermost first, and what they wrap."""
     from torch.utils.data import Subset
@@ -208,17 +335,47 @@ def _install() -> None:
     import torch.distributed as dist
     import torch.utils.data as data
     from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
     from torch.utils.data import dataloader
+    from torch.utils.data._utils import fetch as fetching
 
     # (number, weak reference to the wrapped module): the module, not the wrapper, so that a
     # script that keeps the module alone (model = model.module) is still recorded at the end,
     # and nothing is kept alive that the script let go
     models: list = []
+    # id(wrapped module) -> its number, while it is alive
+    wrapped_ids: dict[int, int] = {}
+    # the models whose end is recorded (when the script let one go before the end)
+    recorded: set[int] = set()
+    # id(module) -> (weak reference, number, class, site) of each module alive in this process,
+    # wrapped or not, in the order they were built
+    modules: dict[int, tuple] = {}
+    built = [0]
+    # ids of the modules inside one recorded when the script let it go: recorded with it
+    covered: set[int] = set()
+    # key -> the hashes last recorded under it; key -> the number of its file
+    states: dict[str, tuple] = {}
+    state_files: dict[str, int] = {}
     forwards = [0]
     ended = [False]
+    # the process that joined the process group: the one whose modules are recorded
+    joined = [None]
     loaders = [0]
     last_pass = [None]
-    save = torch.serialization.save  # not torch.save, which a test probe may record
+    # since the last optimizer step: whether a backward ran, and the collectives after it
+    window = {"backward": False, "collectives": 0}
+    # optimizer -> its number, in the order they first stepped; those whose outside
+    # parameter was named
+    optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    optimizer_count = [0]
+    # optimizer -> (the key of the module it trains outside DDP, its first such parameter)
+    owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # data set class -> the generators its fetches drew from
+    drawn: dict[str, set] = {}
+    save = torch.serialization.save  # not torch.save, which the recorder records
 
     original_init_pg = dist.init_process_group
     init_signature = inspect.signature(original_init_pg)
@@ -238,6 +395,7 @@ def _install() -> None:
                 timeout_by = "deadline"
             args, kwargs = bound.args, bound.kwargs
         result = original_init_pg(*args, **kwargs)
+        joined[0] = os.getpid()
         timeout = bound.arguments.get("timeout") if bound is not None else None
         record(
             "init",
@@ -258,6 +416,7 @@ def _install() -> None:
         original_ddp_init(self, module, *args, **kwargs)
         self._check_index = len(models)
         models.append((self._check_index, weakref.ref(self.module)))
+        wrapped_ids[id(self.module)] = self._check_index
         record("wrap", model=self._check_index, module=type(module).__name__)
 
     DistributedDataParallel.__init__ = ddp_init
@@ -300,7 +459,17 @@ def _install() -> None:
         def collective(*args, **kwargs):
             file, line = caller()
             agreed = collective_args(signature, args, kwargs) if signature else None
-            record("collective", name=name, file=file, line=line, forwards=forwards[0], args=agreed)
+            inside = window["backward"] and name not in UNREDUCING
+            window["collectives"] += inside
+            record(
+                "collective",
+                name=name,
+                file=file,
+                line=line,
+                forwards=forwards[0],
+                args=agreed,
+                window=inside,
+            )
             return original(*args, **kwargs)
 
         return collective
@@ -309,32 +478,285 @@ def _install() -> None:
         if hasattr(dist, name):
             setattr(dist, name, recording(name, getattr(dist, name)))
 
+    original_backward = torch.autograd.backward
+
+    @functools.wraps(original_backward)
+    def backward(*args, **kwargs):
+        # Tensor.backward() calls torch.autograd.backward(): a backward of any model
+        window["backward"] = True
+        return original_backward(*args, **kwargs)
+
+    torch.autograd.backward = backward
+
+    def owner_of(tensor) -> tuple[str | None, str]:
+        """The module alive that gives the parameter its longest name (the outermost that
+        holds it): its key, as the state records name it, and the parameter's name in it."""
+        owner: tuple[str | None, str] = (None, "a parameter of no module")
+        for ref, _, kind, site in list(modules.values()):
+            module = ref()
+            for name, p in module.named_parameters() if module is not None else []:
+                if p is tensor and (owner[0] is None or len(name) > len(owner[1])):
+                    owner = (state_key(kind, site), name)
+        return owner
+
+    @quietly
+    def gradients_digest(params: list) -> str:
+        """A hash of the parameters' gradients (the first 100,000 values of each)."""
+        return digest(*(as_bytes(p.grad.detach().reshape(-1)[:100_000]) for p in params))
+
+    # optimizer steps under way: one optimizer's step may call another's (ZeRO's inner one)
+    stepping = [0]
+
+    def before_step(optimizer, args, kwargs) -> None:
+        stepping[0] += 1
+
+    @quietly
+    def after_step(optimizer, args, kwargs) -> None:
+        """Each optimizer step: how many of the parameters it stepped with a gradient no
+        DDP-wrapped module holds, and the collectives since the backward before it (the
+        window closes after the outermost step)."""
+        stepping[0] = max(stepping[0] - 1, 0)
+        if joined[0] != os.getpid():
+            return
+        number = optimizers.get(optimizer)
+        if number is None:
+            number = optimizers[optimizer] = optimizer_count[0]
+            optimizer_count[0] += 1
+        inside = wrapped_tensors()
+        graded = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        outside = [p for p in graded if id(p) not in inside and not sharded(p)]
+        trains, first = None, None
+        if outside:
+            if optimizer not in owners:
+                owners[optimizer] = owner_of(outside[0])
+            trains, first = owners[optimizer]
+        record(
+            "step",
+            optimizer=number,
+            kind=type(optimizer).__name__,
+            graded=len(graded),
+            outside=len(outside),
+            trains=trains,
+            first=first,
+            collectives=window["collectives"],
+            grads=gradients_digest(outside) if outside else None,
+            **{"pass": last_pass[0]},
+        )
+        if not stepping[0]:
+            window.update(backward=False, collectives=0)
+
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
+
+    original_save = torch.save
+
+    @quietly
+    def record_save(obj, f) -> None:
+        name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        if isinstance(name, str):
+            # a file, not a buffer in memory
+            count, first = module_keys(obj)
+            record(
+                "save",
+                path=os.path.abspath(name),
+                host=socket.gethostname(),
+                module_keys=count,
+                first_key=first,
+                wrapper=isinstance(obj, DistributedDataParallel),
+            )
+
+    @functools.wraps(original_save)
+    def save_recorded(obj, f, *args, **kwargs):
+        result = original_save(obj, f, *args, **kwargs)
+        record_save(obj, f)
+        return result
+
+    torch.save = save_recorded
+
+    original_fetch = fetching._MapDatasetFetcher.fetch
+
+    @functools.wraps(original_fetch)
+    def fetch(self, possibly_batched_index):
+        """A map-style data set's samples fetched (in the rank, or in a loader worker): which
+        global random states __getitem__ (or the collate function) moved."""
+        kind = type(subset_maps(self.dataset)[1]).__name__
+        seen = drawn.setdefault(kind, set())
+        if len(seen) == 3:
+            return original_fetch(self, possibly_batched_index)
+        before = quietly(rng_states)()
+        batch = original_fetch(self, possibly_batched_index)
+        after = quietly(rng_states)()
+        if before is not None and after is not None:
+            moved = {name for name, state in after.items() if before.get(name) != state}
+            if moved - seen:
+                seen |= moved
+                quietly(record)("dataset_draws", dataset=kind, generators=sorted(seen))
+        return batch
+
+    fetching._MapDatasetFetcher.fetch = fetch
+
+    def tensors_of(module, skip: set[int]) -> tuple[list, list]:
+        """The module's named parameters and buffers, those whose id is in `skip` left out, and
+        tensor subclasses (FSDP's DTensor shards, which differ between ranks by design)."""
+        plain = (torch.Tensor, torch.nn.Parameter)
+        params = [
+            (n, p) for n, p in module.named_parameters() if id(p) not in skip and type(p) in plain
+        ]
+        buffers = [
+            (n, b) for n, b in module.named_buffers() if id(b) not in skip and type(b) in plain
+        ]
+        return params, buffers
+
+    def write(stem: str, params: list, buffers: list) -> tuple[str, str | None]:
+        """The tensors saved to files beside the records: the parameters' path, the buffers'."""
+        path = os.path.join(CHECK_DIR, f"{os.getpid()}.{stem}.pt")
+        save({name: p.detach().cpu() for name, p in params}, path)
+        buffers_path = None
+        if buffers:
+            buffers_path = os.path.join(CHECK_DIR, f"{os.getpid()}.{stem}.buffers.pt")
+            save({name: b.detach().cpu() for name, b in buffers}, buffers_path)
+        return path, buffers_path
+
+    @quietly
+    def end_model(index: int, module, when: str) -> None:
+        """A wrapped module's parameters and buffers."""
+        recorded.add(index)
+        params, buffers = tensors_of(module, set())
+        path, buffers_path = write(f"model{index}", params, buffers)
+        record(
+            "end",
+            model=index,
+            params=[[name, tensor_digest(p)] for name, p in params],
+            buffers=[[name, tensor_digest(b)] for name, b in buffers],
+            saved=path,
+            saved_buffers=buffers_path,
+            when=when,
+        )
+
+    def wrapped_tensors() -> set[int]:
+        """The ids of the wrapped modules' parameters and buffers."""
+        found: set[int] = set()
+        for _, ref in models:
+            module = ref()
+            if module is not None:
+                found.update(map(id, module.parameters()))
+                found.update(map(id, module.buffers()))
+        return found
+
+    @quietly
+    def record_state(module, key: str, kind: str, site: str | None, when: str) -> None:
+        """A module that DDP does not wrap: its parameters and buffers (a wrapped module's
+        left out), unless it has none or the same as last recorded under its key."""
+        if any(map(sharded, [*module.parameters(), *module.buffers()])):
+            # FSDP's: each rank holds its own shard, by design
+            return
+        params, buffers = tensors_of(module, wrapped_tensors())
+        if not params and not buffers:
+            return
+        hashes = (
+            [[name, tensor_digest(p)] for name, p in params],
+            [[name, tensor_digest(b)] for name, b in buffers],
+        )
+        if states.get(key) == hashes:
+            return
+        states[key] = hashes
+        number = state_files.setdefault(key, len(state_files))
+        path, buffers_path = write(f"state{number}", params, buffers)
+        record(
+            "state",
+            key=key,
+            module=kind,
+            site=site,
+            params=hashes[0],
+            buffers=hashes[1],
+            saved=path,
+            saved_buffers=buffers_path,
+            when=when,
+        )
+
+    def state_key(kind: str, site: str | None) -> str:
+        return f"{kind}, built at {site}" if site else kind
+
+    def track(module) -> None:
+        kind = type(module).__name__
+        modules[id(module)] = (weakref.ref(module), built[0], kind, built_at(module))
+        built[0] += 1
+
+    original_module_init = torch.nn.Module.__init__
+    original_setstate = torch.nn.Module.__setstate__
+
+    @functools.wraps(original_module_init)
+    def module_init(self, *args, **kwargs):
+        original_module_init(self, *args, **kwargs)
+        track(self)
+
+    @functools.wraps(original_setstate)
+    def module_setstate(self, state):
+        # copy.deepcopy (an EMA copy) and torch.load of a whole module build it this way
+        original_setstate(self, state)
+        track(self)
+
+    def module_del(self):
+        """The script lets a module go before the end: a wrapped one, or one that no other
+        module holds, is recorded now, while it is whole."""
+        # Python shutting down, a module half built: no record, and no error either
+        with contextlib.suppress(Exception):
+            entry = modules.pop(id(self), None)
+            index = wrapped_ids.pop(id(self), None)
+            inside = id(self) in covered
+            covered.discard(id(self))
+            if entry is None or ended[0] or joined[0] != os.getpid():
+                return
+            if index is not None:
+                if index not in recorded:
+                    end_model(index, self, "collected")
+            elif not inside and not isinstance(self, DistributedDataParallel):
+                _, _, kind, site = entry
+                record_state(self, state_key(kind, site), kind, site, "collected")
+            else:
+                return
+            # the modules inside it go next: recorded with it
+            covered.update(id(m) for m in self.modules() if m is not self)
+
+    torch.nn.Module.__init__ = module_init
+    torch.nn.Module.__setstate__ = module_setstate
+    torch.nn.Module.__del__ = module_del
+
+    @quietly
     def end() -> None:
-        """The wrapped modules' parameters and buffers, once per process."""
+        """The wrapped modules' parameters and buffers, and those of every module alive that
+        no other holds, once per process."""
         if ended[0]:
             return
         ended[0] = True
         for index, ref in models:
+            if index in recorded:
+                continue
             module = ref()
             if module is None:
                 record("dropped", model=index)
                 continue
-            params = list(module.named_parameters())
-            buffers = list(module.named_buffers())
-            path = os.path.join(CHECK_DIR, f"{os.getpid()}.model{index}.pt")
-            save({name: p.detach().cpu() for name, p in params}, path)
-            buffers_path = None
-            if buffers:
-                buffers_path = os.path.join(CHECK_DIR, f"{os.getpid()}.model{index}.buffers.pt")
-                save({name: b.detach().cpu() for name, b in buffers}, buffers_path)
-            record(
-                "end",
-                model=index,
-                params=[[name, tensor_digest(p)] for name, p in params],
-                buffers=[[name, tensor_digest(b)] for name, b in buffers],
-                saved=path,
-                saved_buffers=buffers_path,
-            )
+            end_model(index, module, "end")
+        alive = []
+        for ref, number, kind, site in list(modules.values()):
+            module = ref()
+            if module is not None:
+                alive.append((number, module, kind, site))
+        held = {id(child) for _, module, _, _ in alive for child in module.children()}
+        roots = [
+            (module, kind, site)
+            for _, module, kind, site in sorted(alive, key=lambda entry: entry[0])
+            if id(module) not in held
+            and id(module) not in wrapped_ids
+            and not isinstance(module, DistributedDataParallel)
+        ]
+        keys = collections.Counter(state_key(kind, site) for _, kind, site in roots)
+        seen: collections.Counter = collections.Counter()
+        for module, kind, site in roots:
+            key = state_key(kind, site)
+            if keys[key] > 1:
+                key, seen[key] = f"{key} #{seen[key]}", seen[key] + 1
+            record_state(module, key, kind, site, "end")
 
     original_destroy = dist.destroy_process_group
 
@@ -346,7 +768,7 @@ def _install() -> None:
     dist.destroy_process_group = destroy_process_group
 
     def at_exit() -> None:
-        if models:
+        if models or joined[0] == os.getpid():
             end()
         if _out["pid"] == os.getpid():
             record("exit")
