@@ -25,14 +25,28 @@ COLUMNS = [
 ]
 BENCHMARK = REPO / "part4_torchrun" / "tools" / "benchmark.py"
 SPEED_README = REPO / "part4_torchrun" / "speed" / "README.md"
+SPEED_FIGURE = REPO / "part4_torchrun" / "speed" / "figures" / "draw_speed.py"
+# the CPU run the speed chapter shows (its README's first benchmark command)
+CPU_RESULTS = REPO / "part4_torchrun" / "tools" / "benchmark_cpu" / "results.csv"
+
+
+def load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmark", BENCHMARK)
-    benchmark = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark"] = benchmark  # dataclasses look their module up while it loads
-    spec.loader.exec_module(benchmark)
-    return benchmark
+    return load("benchmark", BENCHMARK)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's header."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -71,13 +85,45 @@ def test_benchmark_smoke_writes_csv_plot_and_ratios(tmp_path: Path) -> None:
         "loader" if float(loader["samples_per_s"]) < float(ceiling["samples_per_s"]) else "model"
     )
     assert part4["bound_by"] == slower
-    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_size(tmp_path / "results.png")[0] > 0, "the parts suite's picture"
     assert "overhead at n=1: part4 python n=1 vs part1" in run.stderr + run.stdout
     summary = (tmp_path / "summary.md").read_text()
     assert "| part4 python n=1 |" in summary
     assert f"- part4 python n=1: the {slower} bounds it" in summary
     # the summary says how it was made: the command and the machine
     assert "benchmark.py --smoke" in summary and "CPU cores" in summary
+    # The speed figure on this run's results.csv: the run, its ceiling and its loader alone as
+    # the CSV has them, the slower of the two alone named as the bound; drawn to 900 px.
+    assert f"draw_speed.py --from {tmp_path / 'results.csv'}" in run.stderr + run.stdout
+    figure = load("draw_speed", SPEED_FIGURE)
+    data = figure.parse((tmp_path / "results.csv").read_text())
+    assert data["title"] == "CPU, no GPU: test_resnet, 8 images a batch, 1 process", data
+    assert data["runs"] == [
+        {
+            "label": "part4 python n=1",
+            "samples_per_s": float(part4["samples_per_s"]),
+            "ceiling": float(ceiling["samples_per_s"]),
+            "loader": float(loader["samples_per_s"]),
+            "bound": slower,
+        }
+    ]
+    figure.draw([data, data], tmp_path / "speed.png")  # a CPU's panel and, later, a GPU's
+    width, height = png_size(tmp_path / "speed.png")
+    assert width == 900 and height <= 550, (width, height)
+
+
+def test_the_speed_figure_shows_the_cpu_run_of_the_speed_chapter() -> None:
+    """What the speed chapter's figure and its caption say of the committed CPU run: every
+    flags row of a CPU, each with its ceiling and its loader alone; the model bounds every one
+    (its loader alone is faster than its step alone); the PNG drawn from it, 900 px wide."""
+    figure = load("draw_speed", SPEED_FIGURE)
+    data = figure.parse(CPU_RESULTS.read_text())
+    assert data["title"].startswith("CPU, no GPU: resnet18, 16 images a batch"), data
+    runs = data["runs"]
+    assert [r["label"] for r in runs] == list(load_benchmark().CPU_FLAG_RUNS)
+    assert all(r["samples_per_s"] and r["ceiling"] and r["loader"] for r in runs), runs
+    assert all(r["bound"] == "model" and r["loader"] > r["ceiling"] for r in runs), runs
+    assert png_size(SPEED_FIGURE.with_name("speed.png")) == (900, 429)
 
 
 def test_failed_timed_out_and_interrupted_launches_are_rows(
@@ -125,7 +171,8 @@ def test_failed_timed_out_and_interrupted_launches_are_rows(
     summary = (tmp_path / "summary.md").read_text()
     assert "| sleeping | python | 1 | default (?) | 16 | timed out |" in summary
     assert "| unreached | python | 1 | default (?) | 16 | not run |" in summary
-    assert (tmp_path / "results.png").exists()
+    # the flags suite's picture is the speed chapter's figure, drawn from results.csv
+    assert not (tmp_path / "results.png").exists()
 
 
 def gpu_command() -> list[str]:

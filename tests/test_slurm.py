@@ -506,6 +506,11 @@ def test_two_jobs_from_one_directory_keep_their_files_and_a_requeued_one_resumes
     ]
     assert all(line in log for line in said), log
     assert [log.index(line) for line in said] == sorted(log.index(line) for line in said), log
+    # Between the two starts, the lines the fault-tolerance chapter says to expect: Slurm's,
+    # with `error:`, and torchrun's, stopped; the job completes all the same.
+    between = log[log.index(said[1]) : log.index(said[2])]
+    assert f"error: *** JOB {requeued.id} ON " in between and "DUE TO JOB REQUEUE" in between
+    assert "Received 15 death signal" in between, between
     assert cluster.job(requeued.id)["Restarts"] == "1", "requeued once"
     epochs = Run(options, 0, log, "").epochs()
     left = (STEPS_PER_EPOCH - PAUSE_AT[2]) * TRAIN_SAMPLES // STEPS_PER_EPOCH
@@ -611,6 +616,83 @@ def test_two_node_job_script_trains_under_export_none(
     )
     threads = re.findall(r"^rank \d+/4 device=cpu threads=(\d+)$", job.run.stdout, re.MULTILINE)
     assert threads == ["1"] * 4, f"threads per process\n{job.describe()}"
+
+
+WHO_IS_WHO = REPO / "part4_torchrun" / "figures" / "draw_who_is_who.py"
+
+
+def who_is_who():
+    """part4_torchrun/figures/draw_who_is_who.py as a module: parse(text), draw(data, path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draw_who_is_who", WHO_IS_WHO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_who_is_who(data: dict[str, list[dict]], nodes: int, per_node: int) -> None:
+    """What the figure shows, from diagnose.py's report lines: under srun a task per process,
+    its rank the task's number, the tasks node by node; under torchrun a task per node, whose
+    workers have consecutive ranks and local ranks 0, 1, ...; every rank once, on `nodes`
+    nodes with `per_node` processes each."""
+    world = nodes * per_node
+    assert sorted(data) == ["srun", "torchrun"], sorted(data)
+    for launcher, processes in data.items():
+        assert sorted(p["rank"] for p in processes) == list(range(world)), (launcher, processes)
+        assert {p["world"] for p in processes} == {world}, processes
+        by_node: dict[str, list[dict]] = {}
+        for p in sorted(processes, key=lambda p: p["rank"]):
+            by_node.setdefault(p["node"], []).append(p)
+        assert len(by_node) == nodes, (launcher, sorted(by_node))
+        for mine in by_node.values():
+            ranks = [p["rank"] for p in mine]
+            assert ranks == list(range(ranks[0], ranks[0] + per_node)), (launcher, mine)
+            assert [p["local_rank"] for p in mine] == list(range(per_node)), (launcher, mine)
+            tasks = {p["task"] for p in mine}
+            if launcher == "srun":
+                assert [p["task"] for p in mine] == [str(r) for r in ranks], mine
+            else:
+                assert len(tasks) == 1, f"one torchrun task per node: {mine}"
+        if launcher == "torchrun":
+            assert sorted(p["task"] for p in processes) == sorted(
+                str(n) for n in range(nodes) for _ in range(per_node)
+            ), processes
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's header."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def test_two_node_diagnose_job_under_srun_and_torchrun_draws_who_is_who(
+    slurm: Cluster, tmp_path: Path, probe_dir: Path
+) -> None:
+    """part4_torchrun/tools/job_diagnose.sbatch on 2 nodes: diagnose.py under srun (a task per
+    process), then under torchrun (a task per node). Its report lines are the figure's data
+    (part4_torchrun/figures/who_is_who.png): parse() and draw() run on them, and what the
+    figure shows holds. One process per node keeps the job to 4 torch processes and 2 agents
+    (12 CPU-s here); the committed figure's own 2 x 2 run (who_is_who.txt) is checked alike."""
+    job = submit(
+        slurm.start(2),
+        "part4_torchrun/tools/job_diagnose.sbatch",
+        [],
+        tmp_path,
+        probe_dir=probe_dir,
+        sbatch_options=("--ntasks-per-node=1",),
+    )
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+    assert job.run.stdout.count("OK 2 rank(s) on 2 node(s)") == 2, job.describe()
+    figure = who_is_who()
+    data = figure.parse(job.run.stdout)
+    assert_who_is_who(data, nodes=2, per_node=1)
+    figure.draw(data, tmp_path / "who.png")
+    assert png_size(tmp_path / "who.png") == (900, 550)
+    # The committed figure's run: 2 nodes of 2 processes.
+    assert_who_is_who(figure.parse(WHO_IS_WHO.with_name("who_is_who.txt").read_text()), 2, 2)
+    assert png_size(WHO_IS_WHO.with_name("who_is_who.png")) == (900, 550)
 
 
 # One process per node, set on the command line (srun) or with the documented variable (torchrun).

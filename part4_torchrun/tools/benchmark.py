@@ -18,9 +18,11 @@ the world-of-one overhead (part 4 under python and torchrun against part 1).
 It launches the real scripts, never a copy of their loop: --warmup untimed epochs (start-up,
 allocator, torch.compile), then --repeats timed epochs, of which it keeps the median of the
 `samples/s=` values. Speed is judged only as a ratio of two runs of the same invocation: same
-machine, same load. Writes results.csv, results.png and summary.md (tables and ratios) to --out,
-also when launches fail or time out (a row with that status) and when it is interrupted (Ctrl-C,
-kill: what it measured, the rest "not run").
+machine, same load. Writes results.csv and summary.md (tables and ratios) to --out, and
+results.png for the parts and scaling suites (the flags suite's picture, each run beside its
+ceiling and loader alone, is the speed chapter's figure: part4_torchrun/speed/figures/
+draw_speed.py --from OUT/results.csv), also when launches fail or time out (a row with that
+status) and when it is interrupted (Ctrl-C, kill: what it measured, the rest "not run").
 
     python part4_torchrun/tools/benchmark.py --suites flags                # the speed steps, CPU
     python part4_torchrun/tools/benchmark.py --suites flags --batch-size 256 --steps 10 \
@@ -70,6 +72,8 @@ CIFAR_SCRIPTS = {
 }
 PART1, PART4 = CIFAR_SCRIPTS["part1"][0], CIFAR_SCRIPTS["part4"][0]
 FAST = "part4_torchrun/speed/speed3_workers.py"  # speed 3: every flag of speeds 1-3
+# draws the flags suite's runs from results.csv (the speed chapter's figure)
+SPEED_FIGURE = "part4_torchrun/speed/figures/draw_speed.py"
 SPEED4 = "part4_torchrun/speed/speed4_device_data.py"  # speed 3's flags and --device-data
 
 
@@ -686,7 +690,11 @@ def loader_or_model_section(configs: list[Config]) -> list[str]:
     return [*text, "", *lines, ""]
 
 
-def write_outputs(configs: list[Config], lines: list, args: argparse.Namespace, load: str) -> None:
+def write_outputs(
+    configs: list[Config], lines: list, args: argparse.Namespace, load: str
+) -> list[str]:
+    """results.csv, summary.md and, where there is something to draw, results.png: the names
+    of the files written."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "results.csv").open("w", newline="") as f:
@@ -721,7 +729,8 @@ def write_outputs(configs: list[Config], lines: list, args: argparse.Namespace, 
     text += ["## Ratios", "", "| ratio | value | goal |", "|---|---|---|"]
     text += [f"| {what} | {value} | {goal} |" for what, value, goal in lines]
     (out / "summary.md").write_text("\n".join(text) + "\n")
-    plot(configs, args, out / "results.png")
+    drawn = plot(configs, args, out / "results.png")
+    return ["results.csv", "summary.md", *(["results.png"] if drawn else [])]
 
 
 def scaling_rate(done: list[Config], workload: str, batch: int, kind: str, n: int):
@@ -733,18 +742,26 @@ def scaling_rate(done: list[Config], workload: str, batch: int, kind: str, n: in
     return rate(done, **at, world_size=n, batch=batch // n if kind == "strong" else batch)
 
 
-def plot(configs: list[Config], args: argparse.Namespace, path: Path) -> None:
+def plot(configs: list[Config], args: argparse.Namespace, path: Path) -> bool:
+    """results.png: samples/s of the parts and scaling suites' launches and, with the scaling
+    suite, the speed-up per rank count. The flags suite's runs, ceilings and loaders alone are
+    the speed chapter's figure, drawn from results.csv by its own script (SPEED_FIGURE). False
+    when there is nothing here to draw."""
+    shown = [c for c in configs if c.suite in ("parts", "scaling")]
+    if not shown:
+        return False
     import matplotlib
 
     # files only, no display
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [c for c in configs if c.result.get("status") == "ok"]
-    size = (14, max(4, 0.3 * len(done) + 1))
-    fig, (bars, right) = plt.subplots(1, 2, figsize=size, width_ratios=[3, 2])
-    colors = {"parts": "tab:blue", "scaling": "tab:green", "flags": "tab:orange"}
-    colors |= {"ceiling": "tab:purple", "loader": "tab:gray"}
+    done = [c for c in shown if c.result.get("status") == "ok"]
+    scaling = "scaling" in args.suites
+    size = (14 if scaling else 9, max(4, 0.3 * len(done) + 1))
+    fig, panels = plt.subplots(1, 2 if scaling else 1, figsize=size, squeeze=False)
+    bars = panels[0, 0]
+    colors = {"parts": "tab:blue", "scaling": "tab:green"}
     rates = [c.result["samples_per_s"] for c in done]
     bars.barh([c.label for c in done], rates, color=[colors[c.suite] for c in done])
     bars.invert_yaxis()
@@ -754,10 +771,8 @@ def plot(configs: list[Config], args: argparse.Namespace, path: Path) -> None:
         bars.text(0.5, 0.5, "no launch ended well", ha="center", transform=bars.transAxes)
     bars.set_xlabel("samples/s (median of timed epochs, log scale)")
     bars.tick_params(axis="y", labelsize=7)
-    if "scaling" in args.suites:
-        plot_scaling(done, args, right)
-    else:
-        plot_ceilings(configs, right)
+    if scaling:
+        plot_scaling(done, args, panels[0, 1])
     fig.suptitle(
         f"{time.strftime('%Y-%m-%d')}, {CORES} cores, {'GPU' if HAS_GPU else 'CPU'}; "
         f"warm-up {args.warmup} epoch(s), median of {args.repeats}"
@@ -765,6 +780,7 @@ def plot(configs: list[Config], args: argparse.Namespace, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+    return True
 
 
 def plot_scaling(done: list[Config], args: argparse.Namespace, axes) -> None:
@@ -781,24 +797,6 @@ def plot_scaling(done: list[Config], args: argparse.Namespace, axes) -> None:
     axes.set(xlabel="ranks (1 thread each, torchrun)", ylabel="speed-up vs 1 rank")
     axes.set_title("scaling")
     axes.legend()
-
-
-def plot_ceilings(configs: list[Config], axes) -> None:
-    """Each probed run's share of its ceiling, coloured by what bounds it."""
-    found = [(c.label, loader_or_model(c)) for c in configs if c.ceiling or c.loader]
-    found = [(label, f) for label, f in found if f["pct_of_ceiling"] != ""]
-    colors = {"loader": "tab:gray", "model": "tab:purple", "": "tab:orange"}
-    for label, f in found:
-        who = f"bound by the {f['bound_by']}" if f["bound_by"] else "loader alone missing"
-        axes.barh(label, f["pct_of_ceiling"], color=colors[f["bound_by"]], label=who)
-    axes.axvline(100, color="k", linestyle="--")
-    axes.invert_yaxis()
-    axes.tick_params(axis="y", labelsize=7)
-    axes.set(xlabel="samples/s, % of its ceiling (the model step alone)")
-    axes.set_title("loader or model")
-    handles = dict(zip(*reversed(axes.get_legend_handles_labels()), strict=True))
-    if handles:
-        axes.legend(handles.values(), handles.keys(), loc="lower right")
 
 
 def ensure_mnist(args: argparse.Namespace, configs: list[Config]) -> None:
@@ -835,10 +833,13 @@ def run(configs: list[Config], args: argparse.Namespace) -> bool:
         for config in configs:
             config.result = config.result or {"status": "not run", "samples_per_s": ""}
         lines = ratios(configs, args)
-        write_outputs(configs, lines, args, f"{load}, {os.getloadavg()[0]:.1f}")
+        written = write_outputs(configs, lines, args, f"{load}, {os.getloadavg()[0]:.1f}")
         for what, value, goal in lines:
             log(f"{what}: {value}{verdict(what, value, goal)}")
-        log(f"wrote results.csv, results.png and summary.md to {args.out}")
+        log(f"wrote {', '.join(written)} to {args.out}")
+        if any(c.ceiling or c.loader for c in configs):
+            csv_path = Path(args.out) / "results.csv"
+            log(f"each run beside its ceiling and loader: python {SPEED_FIGURE} --from {csv_path}")
         for sig, handler in zip((signal.SIGINT, signal.SIGTERM), previous, strict=True):
             signal.signal(sig, handler)
     return False

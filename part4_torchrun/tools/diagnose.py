@@ -3,10 +3,10 @@
 Run it the way you will run training. Every rank prints a `start` line as soon as it knows who
 it is (so a hang shows who never arrived), then the ranks look up the meeting point
 (MASTER_ADDR), meet, check an all_reduce and a barrier, and rank 0 prints one `report` line per
-rank: host, rank, local rank, device, backend and versions. If a step fails, the rank prints one
-`FAILED` line first (the step, its rank and host, the error's first line), then what to check,
-then the detail (the error in full and what the libraries wrote meanwhile), and exits with
-status 1 so that the launcher ends the whole job.
+rank: who is who (its node, its Slurm task, rank, local rank, device), backend and versions.
+If a step fails, the rank prints one `FAILED` line first (the step, its rank and host, the
+error's first line), then what to check, then the detail (the error in full and what the
+libraries wrote meanwhile), and exits with status 1 so that the launcher ends the whole job.
 
 The launcher is found as in part4_torchrun/train.py: torchrun if RANK is set; an srun step if
 SLURM_STEP_ID is set (then the job script must export MASTER_ADDR and MASTER_PORT, as the
@@ -17,10 +17,8 @@ process, also inside a batch script.
     torchrun --standalone --nproc_per_node=2 part4_torchrun/tools/diagnose.py
     NCCL_DEBUG=INFO torchrun --standalone --nproc_per_node=2 \
         part4_torchrun/tools/diagnose.py --timeout 30
-    # in a job script:
-    export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
-    export MASTER_PORT=$((15000 + SLURM_JOB_ID % 1700 * 10))
-    srun --ntasks-per-node=2 --kill-on-bad-exit=1 python part4_torchrun/tools/diagnose.py
+    # on Slurm, under srun and then under torchrun, as the job scripts train:
+    sbatch part4_torchrun/tools/job_diagnose.sbatch
 """
 
 import argparse
@@ -159,13 +157,24 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}")
 
 
-def identity(rank: int, world_size: int, local_rank: int, device, backend: str) -> dict:
+def identity(
+    launcher: str, rank: int, world_size: int, local_rank: int, device, backend: str
+) -> dict:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else "none"
+    host = socket.gethostname()
+    in_step = "SLURM_STEP_ID" in os.environ
     return {
+        "launcher": launcher,
         "rank": rank,
         "world_size": world_size,
         "local_rank": local_rank,
-        "host": socket.gethostname(),
+        # Slurm's name for the node (several "nodes" may share one host, as on the local
+        # test cluster); the host elsewhere
+        "node": os.environ.get("SLURMD_NODENAME", host),
+        # the srun task this process belongs to: itself under srun, its node's torchrun
+        # under srun + torchrun (whose workers inherit the task's SLURM_PROCID)
+        "task": os.environ["SLURM_PROCID"] if in_step else "-",
+        "host": host,
         "device": str(device),
         "backend": backend,
         "torch": torch.__version__,
@@ -178,7 +187,8 @@ def identity(rank: int, world_size: int, local_rank: int, device, backend: str) 
 
 def describe(info: dict) -> str:
     return (
-        f"rank={info['rank']}/{info['world_size']} local_rank={info['local_rank']}"
+        f"launcher={info['launcher']} node={info['node']} task={info['task']}"
+        f" rank={info['rank']}/{info['world_size']} local_rank={info['local_rank']}"
         f" host={info['host']} device={info['device']} backend={info['backend']}"
         f" torch={info['torch']} cuda_build={info['cuda_build']} gpus={info['gpus']}"
         f" nccl={info['nccl']} python={info['python']}"
@@ -238,9 +248,9 @@ def run_checks(args: argparse.Namespace) -> int:
             with step("device"):
                 device = pick_device(args.device, local_rank)
             backend = "nccl" if device.type == "cuda" else "gloo"
-            me = identity(rank, world_size, local_rank, device, backend)
+            me = identity(launcher, rank, world_size, local_rank, device, backend)
             master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-            log(f"start launcher={launcher} {describe(me)} master={master}")
+            log(f"start {describe(me)} master={master}")
             if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
                 # The processes on this machine share its cores.
                 torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
@@ -262,9 +272,9 @@ def run_checks(args: argparse.Namespace) -> int:
             log(f"report {describe(info)}")
         if len({(r["torch"], r["cuda_build"], r["nccl"]) for r in reports}) > 1:
             log("WARNING: ranks run different torch/CUDA/NCCL versions: use one environment")
-        hosts = sorted({r["host"] for r in reports})
+        nodes = sorted({r["node"] for r in reports})
         log(
-            f"OK {world_size} rank(s) on {len(hosts)} host(s) ({','.join(hosts)}) backend={backend}"
+            f"OK {world_size} rank(s) on {len(nodes)} node(s) ({','.join(nodes)}) backend={backend}"
         )
     dist.destroy_process_group()
     return 0
