@@ -218,9 +218,8 @@ def main() -> None:
     cuda = f"cuda:{local_rank}"
     device = torch.device(cuda if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
-    log(
-        f"rank {rank}/{world_size} device={device} threads={threads}"
-    )  # step 1
+    # step 1: each process says who it is
+    log(f"rank {rank}/{world_size} device={device} threads={threads}")
 
     train_loader, test_loader = build_loaders(args, rank, world_size)  # step 1
 

@@ -6,14 +6,12 @@ It checks the pipeline, never a speed."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import shlex
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import PYTHON, REPO, launch
+from conftest import PYTHON, REPO, import_script, launch, png_size
 from course_steps import PART1, STEP6
 
 COLUMNS = [
@@ -31,22 +29,11 @@ CPU_RESULTS = REPO / "part4_torchrun" / "tools" / "benchmark_cpu" / "results.csv
 
 
 def load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
+    return import_script(path, name)
 
 
 def load_benchmark() -> ModuleType:
     return load("benchmark", BENCHMARK)
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) in pixels, from the PNG's header."""
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
-    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

@@ -28,9 +28,12 @@ from conftest import (
     TRAIN_SAMPLES,
     Probe,
     Run,
+    assert_figure,
     free_port,
+    import_script,
     launch,
     missing,
+    png_size,
 )
 from mnist_data import (  # noqa: F401  (mnist_root, small_root: pytest fixtures)
     SMALL_TEST,
@@ -623,12 +626,7 @@ WHO_IS_WHO = REPO / "part4_torchrun" / "figures" / "draw_who_is_who.py"
 
 def who_is_who():
     """part4_torchrun/figures/draw_who_is_who.py as a module: parse(text), draw(data, path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("draw_who_is_who", WHO_IS_WHO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(WHO_IS_WHO)
 
 
 def assert_who_is_who(data: dict[str, list[dict]], nodes: int, per_node: int) -> None:
@@ -658,13 +656,6 @@ def assert_who_is_who(data: dict[str, list[dict]], nodes: int, per_node: int) ->
             assert sorted(p["task"] for p in processes) == sorted(
                 str(n) for n in range(nodes) for _ in range(per_node)
             ), processes
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) in pixels, from the PNG's header."""
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
-    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
 def test_two_node_diagnose_job_under_srun_and_torchrun_draws_who_is_who(
@@ -751,7 +742,17 @@ def test_scaling_job_on_two_nodes_keeps_small_runs_on_one_node(
     assert re.search(r"^\s+1 .* 1\.00\s+1\.00$", printed, re.M), (
         f"1 process: speedup 1, efficiency 1\n{printed}"
     )
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the notebook wrote a PNG"
+    # What the exercises' figure plots, from the CSV: S(n) = rate(n) / rate(1), E(n) = S(n) / n.
+    table = re.findall(
+        r"^\s+(\d+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+%\s+([\d.]+)\s+([\d.]+)$", printed, re.M
+    )
+    rates = {int(r[0]): float(r[2]) for r in rows[1:]}
+    assert [int(n) for n, *_ in table] == [1, 2, 4], printed
+    for n, _, speedup, efficiency in table:
+        expected = rates[int(n)] / rates[1]
+        assert float(speedup) == pytest.approx(expected, abs=0.006), (n, printed)
+        assert float(efficiency) == pytest.approx(expected / int(n), abs=0.006), (n, printed)
+    assert_figure(png, "solutions/figures/scaling.png")
 
 
 @pytest.mark.parametrize("launcher", ONE_PER_NODE)
