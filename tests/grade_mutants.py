@@ -83,6 +83,7 @@ MUTANTS = {
         ),
         "gradient",
         "the loss is divided by the world size",
+        also=("loss",),
     ),
     "world size hard-coded in the sampler": Mutant(
         ((SAMPLER, SAMPLER.replace("world_size, rank", "2, rank")),),
@@ -164,7 +165,10 @@ MUTANTS = {
         also=("figures",),
     ),
     "training counts not summed": Mutant(
-        (("        dist.all_reduce(totals)", None),), "counts", "rank 0's own counts"
+        (("        dist.all_reduce(totals)", None),),
+        "counts",
+        "rank 0's own counts",
+        also=("loss",),
     ),
     "every rank saves": Mutant(
         (("        if rank == 0:  # step 5", None), (SAVE, SAVE[4:])),
@@ -191,9 +195,9 @@ MUTANTS = {
         "only rank 0 should print them",
     ),
     "barrier on rank 0 only": Mutant(
-        ((BARRIER, "            dist.barrier()"),),
+        ((BARRIER, "            dist.barrier()  # step 5"),),
         "run",
-        "rank 1 never reached it",
+        "rank 1 (last in dist.all_reduce() at line",
         blame="step 5",
     ),
     # Beyond the classic list: what the grader's invariants catch without naming the mistake.
@@ -289,6 +293,72 @@ MUTANTS = {
         "gradient",
         "init_sync=False) skips the copy",
         also=("in_sync",),
+    ),
+    # Causes named from what the records show: erased gradients, two wraps, a printed loss
+    # that is not the computed one, learning rates or steps that differ between ranks, a
+    # count summed twice.
+    "zero_grad() between backward() and step()": Mutant(
+        (
+            ("        optimizer.zero_grad(set_to_none=True)", None),
+            (
+                "        loss.backward()",
+                "        loss.backward()\n        optimizer.zero_grad(set_to_none=True)",
+            ),
+        ),
+        "steps",
+        "the gradients were erased between backward() and step()",
+    ),
+    "model wrapped twice": Mutant(
+        ((WRAP, "    model = DDP(DDP(model, device_ids=ids), device_ids=ids)"),),
+        "wrap",
+        "wrapped its model twice, DDP(DDP(model))",
+        also=("checkpoint",),
+    ),
+    "loss all-reduced in place before backward()": Mutant(
+        (
+            (
+                "        loss = F.cross_entropy(logits, labels)",
+                "        loss = F.cross_entropy(logits, labels)\n"
+                "        dist.all_reduce(loss)  # the global loss, for the log",
+            ),
+        ),
+        "loss",
+        "times the mean, as if each batch's loss were summed over",
+    ),
+    "scheduler stepped on rank 0 only": Mutant(
+        (("        scheduler.step()", "        if rank == 0:\n            scheduler.step()"),),
+        "lr",
+        "different learning rates at optimizer step",
+        also=("in_sync",),
+    ),
+    "optimizer.step() on rank 0 only": Mutant(
+        (
+            (
+                "        optimizer.step()",
+                "        if dist.get_rank() == 0:\n            optimizer.step()",
+            ),
+        ),
+        "optimizer",
+        "skipped optimizer.step()",
+        also=("steps", "lr", "in_sync"),
+    ),
+    "correct predictions summed twice": Mutant(
+        ((TEST_REDUCE, f"{TEST_REDUCE}\n        dist.all_reduce(test_totals[:1])"),),
+        "figures",
+        "the count of correct predictions alone was summed more than once",
+        world=3,
+        also=("accuracy",),
+    ),
+    "a barrier on rank 0 after the epoch line": Mutant(
+        (
+            (
+                "            log(epoch_line(",
+                "            log(epoch_line(epoch, args.epochs, train, test, seconds))\n"
+                "            dist.barrier()",
+            ),
+        ),
+        "run",
+        "called dist.barrier() at line",
     ),
     # Beyond what test_exercises.py plants: what the same claims catch.
     "no zero_grad()": Mutant(

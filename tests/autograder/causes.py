@@ -139,17 +139,40 @@ def collective_only_some_reach(t: Training) -> tuple[str, int] | None:
         behind = [r for r, seen in calls.items() if seen[position : position + 1] != [(name, line)]]
         if not behind:
             continue
-        called = f"rank {longest} called dist.{name}() at {t.where(line)}"
-        if not any(e["event"] == "exit" for e in t.events(t.pids[behind[0]])):
-            # it never exited by itself: killed, or busy elsewhere until the job was ended
-            return f"{called}; rank {behind[0]} never got there and never exited by itself", line
+        callers = sorted(set(calls) - set(behind))
+        called = f"{ranks(callers)} called dist.{name}() at {t.where(line)}"
+        # every rank that never got there, and what each waited in instead
+        elsewhere = [f"{ranks([r])} {waiting(t, r)}" for r in sorted(behind)]
+        if not any(any(e["event"] == "exit" for e in t.events(t.pids[r])) for r in behind):
+            # none exited by itself: killed, or busy elsewhere until the job was ended
+            return f"{called}; {', '.join(elsewhere)}: never got there, never exited", line
         return (
-            f"{called} and rank {behind[0]} never reached it: a collective that only some ranks"
-            " reach waits for the others until the timeout (or fails when they leave). Call it"
-            " on every rank, outside `if rank == 0:`",
+            f"{called}; {', '.join(elsewhere)}: never reached it. A collective that only some"
+            " ranks reach waits for the others until the timeout (or fails when they leave)."
+            " Call it on every rank, outside `if rank == 0:`",
             line,
         )
     return None
+
+
+def ranks(numbers: list[int]) -> str:
+    """`rank 1`, `ranks 1 and 2`, `ranks 0, 1 and 2`."""
+    told = [str(n) for n in numbers]
+    if len(told) == 1:
+        return f"rank {told[0]}"
+    return f"ranks {', '.join(told[:-1])} and {told[-1]}"
+
+
+def waiting(t: Training, rank: int) -> str:
+    """Where a rank that never reached a collective was last seen: in which collective of the
+    script, at which line; or that it exited."""
+    pid = t.pids[rank]
+    if any(e["event"] == "exit" for e in t.events(pid)):
+        return "(exited)"
+    last = [e for e in t.events(pid) if e["event"] == "collective"]
+    if last and Path(last[-1]["file"]) == t.script:
+        return f"(last in dist.{last[-1]['name']}() at line {last[-1]['line']})"
+    return "(in none of the script's collectives)"
 
 
 def worker_hung(t: Training) -> str | None:

@@ -195,12 +195,74 @@ def first_of_each(t: Training) -> dict[int, dict]:
     return found
 
 
+def check_wrap(t: Training) -> Verdict:
+    """Each rank wraps its model in DDP once: DDP(model), not DDP(DDP(model))."""
+    wraps: dict[int, list[str]] = {}
+    for e in t.probe.events("wrap"):
+        rank = t.rank_of(e["pid"])
+        if rank is not None:
+            wraps.setdefault(rank, []).append(e["module"])
+    if not wraps:
+        raise NotChecked("no rank made a DistributedDataParallel (step 2's gradient claim)")
+    for rank, modules in sorted(wraps.items()):
+        if "DistributedDataParallel" in modules:
+            return fails(
+                f"rank {rank} wrapped its model twice, DDP(DDP(model)): {len(modules)} DDP"
+                f" wraps, the outer one of a DistributedDataParallel. Wrap the bare model once,"
+                " model = DDP(model, device_ids=ids); model.module is then the bare model"
+            )
+    return holds(f"{per_rank({r: f'DDP({m[0]})' for r, m in wraps.items()})}: one wrap each")
+
+
+def erased(t: Training) -> str | None:
+    """Gradients that backward() left and the optimizer's step no longer found: a zero_grad()
+    between backward() and step(); None when no step shows it."""
+    for rank, pid in sorted(t.pids.items()):
+        found = t.steps(pid)
+        # (an optimizer on another model's parameters finds none either: check_optimizer's)
+        gone = [s for s in found if s.get("left") and not s.get("nonzero") and not held_apart(s)]
+        if gone:
+            s = gone[0]
+            return (
+                f"the gradients were erased between backward() and step(): at {len(gone)} of"
+                f" rank {rank}'s {len(found)} optimizer steps, backward() left {s['left']}"
+                " non-zero gradients and step() found none, so no step moved the weights."
+                " Call optimizer.zero_grad() before backward() (or after step()), never"
+                " between them"
+            )
+    return None
+
+
+def unequal_steps(t: Training) -> str | None:
+    """Ranks that took different numbers of optimizer steps (optimizer.step() on some ranks
+    only); None when every rank took as many, or the job ended early."""
+    if t.failed:
+        return None
+    taken = {rank: len(t.steps(pid)) for rank, pid in sorted(t.pids.items())}
+    if len(set(taken.values())) <= 1 and len(taken) == t.world:
+        return None
+    most = max(taken.values(), default=0)
+    behind = [rank for rank, n in taken.items() if n < most]
+    return (
+        f"the ranks took different numbers of optimizer steps ({per_rank(taken)}): ranks"
+        f" {behind} skipped optimizer.step(), so their replicas stopped training while DDP"
+        " went on averaging their gradients. Call optimizer.step() on every rank, outside"
+        " `if rank == 0:`"
+    )
+
+
 def check_optimizer(t: Training) -> Verdict:
     """The optimizer steps the parameters of the model that computes the loss: it holds every
     one that backward() reaches, they have gradients at its step, and its steps change them."""
     firsts = first_of_each(t)
     if not firsts:
         raise NotChecked("no rank took an optimizer step")
+    if erased(t):
+        # the optimizer is the right one; the steps claim names what emptied its gradients
+        raise NotChecked("the gradients were erased before the step (see the steps claim)")
+    skipped = unequal_steps(t)
+    if skipped:
+        return fails(skipped)
     advice = (
         "Build the optimizer from the model you train, after DDP wraps it:"
         " torch.optim.Adadelta(model.parameters(), lr=args.lr)"
@@ -245,7 +307,7 @@ def check_optimizer(t: Training) -> Verdict:
     moved = "; they moved over training" if end else ""
     return holds(
         f"rank {min(firsts)}'s optimizer holds {held}; {step['graded']} had a gradient"
-        f"{changed}{moved} (the same on all {len(firsts)} ranks)"
+        f"{changed}{moved} (the same on all {t.world} ranks)"
     )
 
 
@@ -281,6 +343,9 @@ def check_steps(t: Training) -> Verdict:
     steps = {rank: found for rank, found in steps.items() if found}
     if not steps:
         raise NotChecked("no rank took an optimizer step")
+    cause = erased(t) or unequal_steps(t)
+    if cause:
+        return fails(cause)
     for rank, found in steps.items():
         many = [s for s in found if s["backwards"] > 1]
         if many:
@@ -339,11 +404,38 @@ def check_steps(t: Training) -> Verdict:
         if epoch is not None:
             per_epoch[epoch + 1] = per_epoch.get(epoch + 1, 0) + 1
     told = ", ".join(f"{n} in epoch {e}" for e, n in sorted(per_epoch.items()))
+    if len(steps) < t.world:
+        raise NotChecked(f"only ranks {sorted(steps)} of {t.world} took a step: the job ended")
     return holds(
         f"rank {rank}: {len(found)} optimizer steps ({told or 'outside the training loader'}),"
         f" each after one backward() of one batch, in train mode; the same on all {len(steps)}"
         " ranks"
     )
+
+
+def check_lr(t: Training) -> Verdict:
+    """Every rank steps with the same learning rate at every step: a schedule that moves on
+    some ranks only (scheduler.step() inside `if rank == 0:`) makes the replicas part."""
+    rates = {rank: [s["lr"] for s in t.steps(pid)] for rank, pid in sorted(t.pids.items())}
+    rates = {rank: got for rank, got in rates.items() if got}
+    if len(rates) < t.world:
+        raise NotChecked(f"only ranks {sorted(rates)} of {t.world} took a step")
+    for k in range(min(map(len, rates.values()))):
+        at = {rank: got[k] for rank, got in rates.items()}
+        if len(set(at.values())) > 1:
+            epochs = {r: t.epoch_of(t.pids[r], t.steps(t.pids[r])[k]) for r in rates}
+            epoch = next((e + 1 for e in epochs.values() if e is not None), None)
+            during = f" (epoch {epoch})" if epoch else ""
+            return fails(
+                f"the ranks stepped with different learning rates at optimizer step {k + 1}"
+                f"{during}: {per_rank({r: f'lr={v:g}' for r, v in at.items()})}: the schedule"
+                " moved on some ranks only, and their replicas parted. Call scheduler.step()"
+                " (or set the lr) on every rank, outside `if rank == 0:`"
+            )
+    first = next(iter(rates.values()))
+    changes = sorted(set(first), reverse=True)
+    told = ", ".join(f"{v:g}" for v in changes[:4]) + (", ..." if len(changes) > 4 else "")
+    return holds(f"at each of the {len(first)} steps the same on all {t.world} ranks ({told})")
 
 
 def check_gradient(t: Training) -> Verdict:
@@ -664,7 +756,15 @@ def check_figures(t: Training) -> Verdict:
                 drawn = t.draws(epoch - 1, training=kind == "train")
                 together, alone = sum(map(len, drawn.values())), len(drawn.get(0, []))
                 correct = round(accuracy * seen / 100)
-                if accuracy > 100 and seen == alone < together and correct <= together:
+                if accuracy > 100 and seen == together and 0 < accuracy / t.world <= 100:
+                    why = (
+                        f" {correct} correct predictions of {count(together)} samples. The"
+                        f" sample count is right (the ranks drew {count(together)}): the count"
+                        f" of correct predictions alone was summed more than once; summed once,"
+                        f" {t.world} times smaller, it gives {accuracy / t.world:.2f}%. One"
+                        " dist.all_reduce of a tensor that holds both counts, once"
+                    )
+                elif accuracy > 100 and seen == alone < together and correct <= together:
                     why = (
                         f" {correct} correct predictions, summed over the ranks, divided by rank"
                         f" 0's own {kind} samples: the ranks drew {count(together)} together."
@@ -728,6 +828,65 @@ def check_counts(t: Training) -> Verdict:
     return holds(
         f"every epoch line: train_samples={together[0]}{padded} test_samples={together[1]},"
         " the ranks' sums"
+    )
+
+
+def check_loss(t: Training) -> Verdict:
+    """Each epoch line's train_loss is the mean of the losses the ranks computed that epoch
+    (the probe's F.cross_entropy values, weighted by their batches)."""
+    lines = t.epoch_lines
+    if not lines:
+        raise NotChecked("no epoch lines")
+    # [loader, pass, sum of loss x samples, samples] per rank: at its steps, and at its exit
+    # for the batches no step followed
+    recorded = {
+        pid: [
+            entry
+            for e in t.events(pid)
+            if e["event"] in ("step", "losses")
+            for entry in e.get("losses") or []
+        ]
+        for pid in t.pids.values()
+    }
+    told = []
+    for epoch, line in enumerate(lines[: t.epochs]):
+        total = samples_ = 0.0
+        for pid, entries in recorded.items():
+            loader = t.training_loader(pid)
+            for where, number, summed, n in entries:
+                if (where, number) == (loader, epoch):
+                    total += summed
+                    samples_ += n
+        if not samples_:
+            raise NotChecked("no F.cross_entropy loss was recorded at the training steps")
+        mean, printed = total / samples_, line["train_loss"]
+        if abs(printed - mean) <= 2e-4 + 1e-3 * abs(mean):
+            told.append(f"{printed:.4f}")
+            continue
+        said = (
+            f"epoch {epoch + 1} reports train_loss={printed:.4f}; the ranks' losses averaged"
+            f" {mean:.4f} over their {count(int(samples_))} training samples"
+        )
+        ratio = printed / mean if mean else math.inf
+        if abs(ratio - t.world) < 0.01 * t.world:
+            return fails(
+                f"{said}: {t.world} times the mean, as if each batch's loss were summed over"
+                f" the {t.world} ranks (a dist.all_reduce of the loss, in place, before it was"
+                " added up?). DDP averages the gradients, not the loss: add up each rank's own"
+                " loss x batch, all_reduce the sums once after the epoch, divide by the samples"
+            )
+        if abs(ratio * t.world - 1) < 0.01:
+            return fails(
+                f"{said}: 1/{t.world} of the mean. Divide the summed losses by the samples"
+                " summed over the ranks, not by the world size on top"
+            )
+        return fails(
+            f"{said}. train_loss should be the summed loss x batch over the ranks, divided by"
+            " the samples summed over the ranks"
+        )
+    return holds(
+        f"every epoch line's train_loss ({', '.join(told)}) is the mean of the losses the"
+        f" ranks computed"
     )
 
 

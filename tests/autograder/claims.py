@@ -21,6 +21,8 @@ from .checks import (
     check_gradient,
     check_group,
     check_in_sync,
+    check_loss,
+    check_lr,
     check_optimizer,
     check_order,
     check_printing,
@@ -30,6 +32,7 @@ from .checks import (
     check_steps,
     check_test_shares,
     check_threads,
+    check_wrap,
     fails,
 )
 from .run import Training
@@ -59,6 +62,7 @@ CLAIMS = [
         check_threads,
     ),
     Claim("printing", "step 1", "only rank 0 prints the epoch lines", check_printing),
+    Claim("wrap", "step 2", "each rank wraps its model in DDP once", check_wrap),
     Claim(
         "optimizer",
         "step 2",
@@ -69,8 +73,14 @@ CLAIMS = [
         "steps",
         "step 2",
         "every optimizer step, in every epoch, follows one forward and backward() of one batch,"
-        " in train mode",
+        " in train mode, and as many steps on every rank",
         check_steps,
+    ),
+    Claim(
+        "lr",
+        "step 2",
+        "every rank steps with the same learning rate at every step",
+        check_lr,
     ),
     Claim(
         "gradient",
@@ -110,6 +120,12 @@ CLAIMS = [
         "step 3",
         "the epoch lines' counts are sums over the ranks",
         check_counts,
+    ),
+    Claim(
+        "loss",
+        "step 3",
+        "the epoch lines' train_loss is the mean of the losses the ranks computed",
+        check_loss,
     ),
     Claim("gpu", "step 4", "each rank computes on its own GPU, cuda:LOCAL_RANK", check_gpu),
     Claim(

@@ -20,8 +20,9 @@ def table(findings: list[Finding]) -> list[str]:
 def report(findings: list[Finding], t: Training) -> str:
     """On success: every claim with its evidence. On failure, in ten lines or so: the first
     failure with its cause (the headline: the first in step order, or one that accounts for
-    the job's crash); the other failures; when the job failed, how each
-    rank ended; a count of the rest and the log that holds everything; the headline again."""
+    the job's crash), once; the other failures; when the job failed, how each rank ended; a
+    count of the rest and the log that holds everything. (pytest's summary line repeats the
+    headline at the end.)"""
     failed = list(failing(findings).values())
     write_log(findings, t)
     name = f"{t.target.script}, {t.target.launcher} on {t.world} ranks"
@@ -29,8 +30,13 @@ def report(findings: list[Finding], t: Training) -> str:
         return "\n".join([f"{name}: every claim checked holds", *table(findings), f"log: {t.log}"])
     headline = failed[0].headline
     lines = [headline]
-    # (a failure the headline already tells, as a crash's cause, is not told again)
-    lines += [f"  also {f.claim.step}: {f.text}" for f in failed[1:] if f.text not in headline]
+    # (a failure the headline or an earlier line already tells, as a crash's cause or the
+    # cause of two claims, is not told again)
+    told = {headline}
+    for f in failed[1:]:
+        if not any(f.text in line for line in told):
+            lines.append(f"  also {f.claim.step}: {f.text}")
+            told.add(lines[-1])
     if t.failed:
         lines += [f"  {ending}" for ending in endings(t)]
     held = sum(f.status == "ok" for f in findings)
@@ -40,7 +46,6 @@ def report(findings: list[Finding], t: Training) -> str:
         f"  {holding}, {unchecked} not checked ({name}); every claim with its evidence, and"
         f" the job's whole output: {t.log}"
     )
-    lines.append(headline)
     return "\n".join(lines)
 
 

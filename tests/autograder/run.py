@@ -3,6 +3,7 @@ probe's records and the course's checker's (part4_torchrun/your_script/checker/)
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -193,16 +194,38 @@ class Training:
         return f"line {line} (`{self.lines[line - 1].strip()}`)"
 
     def step_of(self, line: int) -> str | None:
-        """The `# step N` tag on a script's line, else on the nearest tagged line above it in
-        the same function (up to its `def` line)."""
-        indent = len(self.lines[line - 1]) - len(self.lines[line - 1].lstrip())
-        for text in reversed(self.lines[:line]):
-            tag = re.search(r"# step (\d)", text)
-            if tag:
-                return f"step {tag.group(1)}"
-            if text.lstrip().startswith("def ") and len(text) - len(text.lstrip()) < indent:
-                return None
-        return None
+        """The `# step N` tag that covers a script's line: its own; else that of the comment
+        right above it at its indent (no blank line between); else, for a line inside a
+        statement that spans several lines, the statement's first line's. A line under a
+        tagged `if` or loop is not covered: a line the learner added goes by its own."""
+        tag = re.compile(r"# step (\d)")
+
+        def own_or_comment(n: int) -> str | None:
+            found = tag.search(self.lines[n - 1])
+            if found:
+                return f"step {found.group(1)}"
+            indent = len(self.lines[n - 1]) - len(self.lines[n - 1].lstrip())
+            for text in reversed(self.lines[: n - 1]):
+                stripped = text.lstrip()
+                if not stripped.startswith("#") or len(text) - len(stripped) != indent:
+                    return None
+                found = tag.search(text)
+                if found:
+                    return f"step {found.group(1)}"
+            return None
+
+        # the first line of the innermost statement that holds `line`
+        try:
+            nodes = list(ast.walk(ast.parse("\n".join(self.lines))))
+        except SyntaxError:
+            nodes = []
+        holding = [
+            node.lineno
+            for node in nodes
+            if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or 0)
+        ]
+        start = max(holding, default=line)
+        return own_or_comment(line) or (own_or_comment(start) if start != line else None)
 
     def events(self, pid: int) -> list[dict]:
         return [r for r in self.probe.records if r["pid"] == pid]

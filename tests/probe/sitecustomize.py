@@ -48,7 +48,7 @@ With DDP_PROBE_STEPS=1 (the exercise autograder's), what training computed, step
 its layers'); "in train mode" means that module and all its submodules are:
 
 - step        {optimizer, backwards, forwards, train, samples, model, leftover, params,
-              graded, changed, lr, pass}
+              graded, nonzero, left, losses, changed, lr, pass}
               after every optimizer step: optimizer = its number in the order the optimizers
               were built (0: the first, whose parameters go to <pid>.params.pt); backwards =
               backward() calls since this optimizer's previous step; forwards = forwards with
@@ -59,10 +59,16 @@ its layers'); "in train mode" means that module and all its submodules are:
               (None without any); leftover = how many of that module's parameters held a
               non-zero gradient when the first backward() since the previous step (of any
               optimizer) began: gradients no zero_grad() cleared (None without a backward());
-              params = the parameters the optimizer holds, graded = how many had a gradient;
-              changed = how many the step changed (on the optimizer's first step only, else
-              None); lr = its first parameter group's learning rate; pass = [loader, pass] of
-              the last batch a loader handed out (see batch; None before any)
+              params = the parameters the optimizer holds, graded = how many had a gradient,
+              nonzero = how many a non-zero one; left = how many non-zero gradients the last
+              backward() left in that module (None without a backward()): more than nonzero
+              when something erased them before the step; losses = [loader, pass, sum of
+              loss x samples, samples] of the F.cross_entropy calls (mean reduction, gradients
+              on) since the previous step, by the batch's loader and pass (an event "losses"
+              at exit holds those no step followed); changed = how many the step changed (on
+              the optimizer's first step only, else None); lr = its first parameter group's
+              learning rate; pass = [loader, pass] of the last batch a loader handed out (see
+              batch; None before any)
 - forward     {loader, pass, train, grad, samples}  the first forward after a loader hands
               out a batch of a new pass (or of another loader): which loader and pass it
               follows, whether it ran in train mode and with gradients on, its input's size
@@ -526,8 +532,12 @@ def record_steps() -> None:
     # the forward before each of the last 16 backward() calls
     backwards: list = []
     # backward() calls at the last step of any optimizer; the leftover gradients the first
-    # backward() after it found
-    stepped = {"backwards": 0, "leftover": None}
+    # backward() after it found; the nonzero gradients the last backward() left
+    stepped = {"backwards": 0, "leftover": None, "left": None}
+    # the losses F.cross_entropy computed with gradients on since the last step, by the
+    # [loader, pass] they followed: [sum of loss x samples, samples] (what an epoch line's
+    # train_loss should average)
+    losses: dict = {}
 
     def before_forward(module, args):
         first = depth[0] == 0 and args and torch.is_tensor(args[0])
@@ -558,7 +568,29 @@ def record_steps() -> None:
         counts["backwards"] += 1
         backwards.append(last["forward"])
         del backwards[:-16]
-        return original_backward(*args, **kwargs)
+        result = original_backward(*args, **kwargs)
+        if last["forward"] is not None:
+            grads = [p.grad for p in last["forward"][0].parameters() if p.grad is not None]
+            stepped["left"] = sum(bool(g.any()) for g in grads)
+        return result
+
+    original_cross_entropy = torch.nn.functional.cross_entropy
+
+    def cross_entropy(input, target, *args, **kwargs):
+        loss = original_cross_entropy(input, target, *args, **kwargs)
+        mean = kwargs.get("reduction", "mean") == "mean" and not args
+        if torch.is_grad_enabled() and mean and loss.dim() == 0 and input.dim() > 0:
+            where = losses.setdefault(tuple(current_pass[0] or (None, None)), [0.0, 0])
+            where[0] += float(loss.detach()) * len(input)
+            where[1] += len(input)
+        return loss
+
+    def taken_losses() -> list:
+        """[loader, pass, sum of loss x samples, samples] of the losses since the last
+        step, and none left."""
+        found = [[*where, total, n] for where, (total, n) in losses.items()]
+        losses.clear()
+        return found
 
     def held_params(optimizer) -> list:
         return [p for group in optimizer.param_groups for p in group["params"]]
@@ -587,6 +619,10 @@ def record_steps() -> None:
             "leftover": stepped["leftover"] if n else None,
             "params": len(params),
             "graded": sum(p.grad is not None for p in params),
+            # nonzero gradients at the step, and those the last backward() left
+            "nonzero": sum(p.grad is not None and bool(p.grad.any()) for p in params),
+            "left": stepped["left"] if n else None,
+            "losses": taken_losses(),
             "changed": None,
             "lr": float(lr) if isinstance(lr, (int, float)) or torch.is_tensor(lr) else None,
             "pass": current_pass[0],
@@ -617,6 +653,9 @@ def record_steps() -> None:
 
     DistributedDataParallel.__init__ = ddp_init
     torch.autograd.backward = backward
+    torch.nn.functional.cross_entropy = cross_entropy
+    # losses after the last step (a batch no step followed)
+    atexit.register(lambda: losses and record("losses", losses=taken_losses()))
     nn.modules.module.register_module_forward_pre_hook(before_forward)
     nn.modules.module.register_module_forward_hook(after_forward, always_call=True)
     register_optimizer_step_pre_hook(before_step)
