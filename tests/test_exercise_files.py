@@ -276,7 +276,7 @@ def test_scaling_sweep_under_torchrun_writes_its_csv(
             "samples/s x epoch_s = samples"
         )
     bonus = (REPO / "exercises/README.md").read_text().split("## Bonus 1")[1]
-    fell = re.search(r"Accuracy\s+fell from ([\d.]+)% to ([\d.]+)%", bonus)
+    fell = re.search(r"Accuracy\s+fell\s+from\s+([\d.]+)%\s+to\s+([\d.]+)%", bonus)
     assert fell, "exercises/README.md, Bonus 1: no measured accuracies"
     got = [float(r[4]) for r in rows[1:]]
     assert got == pytest.approx([float(x) for x in fell.groups()], abs=FIGURE_TOLERANCE), got
